@@ -1,0 +1,144 @@
+"""Input validation shared by the fake, CPU and CUDA implementations of every op.
+
+Each check raises before any kernel runs, with a message that names the argument and
+says what was expected and what was given. Dtype problems raise ``TypeError``; shape,
+device and size problems raise ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INPUT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BIAS_DTYPES = OUT_DTYPES
+AZP_DTYPES = (torch.int32, torch.float32)
+
+# int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them
+# is exact for K <= (2**31 - 1) // 2**14. With a zero point, (a - z) spans 255 values,
+# so the corrected sum (acc - z * colsum(b)) is exact for K <= (2**31 - 1) // (255 * 128).
+MAX_K_INT8 = (2**31 - 1) // (128 * 128)
+MAX_K_INT8_AZP = (2**31 - 1) // (255 * 128)
+
+# fp8 e4m3 matmuls need Ada (sm_89) or Hopper (sm_90) tensor cores.
+MIN_FP8_CAPABILITY = (8, 9)
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _check_tensor(op: str, name: str, t, dtypes) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: `{name}` must have dtype {_names(dtypes)}; got {_describe(t)}")
+
+
+def _is_vector_of(t: torch.Tensor, length, axis: int) -> bool:
+    """True for [length] or, with axis 0 / 1, the 2-D [length, 1] / [1, length]."""
+    if t.dim() == 1:
+        return t.shape[0] == length
+    if t.dim() == 2:
+        shape = (length, 1) if axis == 0 else (1, length)
+        return tuple(t.shape) == shape
+    return False
+
+
+def _check_scale(op: str, name: str, t, length, axis: int, what: str) -> None:
+    _check_tensor(op, name, t, (torch.float32,))
+    per_tensor = t.numel() == 1 and t.dim() <= 2
+    if not (per_tensor or _is_vector_of(t, length, axis)):
+        shapes = f"[{length}, 1] or [{length}]" if axis == 0 else f"[1, {length}] or [{length}]"
+        raise ValueError(
+            f"{op}: `{name}` must hold one value (per-tensor) or one per {what}: "
+            f"numel 1, or shape {shapes}; got {_describe(t)}"
+        )
+
+
+def check_fp8_device(op: str, device: torch.device) -> None:
+    """fp8 needs tensor cores that have it; say so instead of failing inside Triton."""
+    if device.type != "cuda":
+        return
+    cap = torch.cuda.get_device_capability(device)
+    if tuple(cap) < MIN_FP8_CAPABILITY:
+        raise ValueError(
+            f"{op}: float8_e4m3fn inputs need a GPU with compute capability >= "
+            f"{MIN_FP8_CAPABILITY[0]}.{MIN_FP8_CAPABILITY[1]}; {device} has {cap[0]}.{cap[1]}"
+        )
+
+
+def check_scaled_mm_args(
+    op: str,
+    a,
+    b,
+    scale_a,
+    scale_b,
+    out_dtype,
+    bias,
+    azp_adj=None,
+    azp=None,
+    *,
+    with_azp: bool = False,
+) -> None:
+    """Validate the arguments of ``scaled_mm`` (``with_azp=False``) or ``scaled_mm_azp``."""
+    in_dtypes = (torch.int8,) if with_azp else INPUT_DTYPES
+    _check_tensor(op, "a", a, in_dtypes)
+    _check_tensor(op, "b", b, in_dtypes)
+    if b.dtype != a.dtype:
+        raise TypeError(f"{op}: `b` must have the dtype of `a` ({a.dtype}); got {_describe(b)}")
+    if a.dim() != 2:
+        raise ValueError(f"{op}: `a` must be 2-D [M, K]; got {_describe(a)}")
+    if b.dim() != 2:
+        raise ValueError(f"{op}: `b` must be 2-D [K, N]; got {_describe(b)}")
+    M, K = a.shape
+    N = b.shape[1]
+    if b.shape[0] != K:
+        raise ValueError(
+            f"{op}: `b` must be [K, N] with K = {K} (from `a` {tuple(a.shape)}); "
+            f"got b of shape {tuple(b.shape)}"
+        )
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{op}: `out_dtype` must be one of {_names(OUT_DTYPES)}; got {out_dtype}")
+    _check_scale(op, "scale_a", scale_a, M, 0, f"row of `a` (M = {M})")
+    _check_scale(op, "scale_b", scale_b, N, 1, f"column of `b` (N = {N})")
+    tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b}
+    if bias is not None:
+        _check_tensor(op, "bias", bias, BIAS_DTYPES)
+        if bias.dim() != 1 or bias.shape[0] != N:
+            raise ValueError(f"{op}: `bias` must be [N] with N = {N}; got {_describe(bias)}")
+        tensors["bias"] = bias
+    if with_azp:
+        _check_tensor(op, "azp_adj", azp_adj, AZP_DTYPES)
+        if not _is_vector_of(azp_adj, N, 1):
+            raise ValueError(
+                f"{op}: `azp_adj` must be [N] or [1, N] with N = {N}; got {_describe(azp_adj)}"
+            )
+        tensors["azp_adj"] = azp_adj
+        if azp is not None:
+            _check_tensor(op, "azp", azp, AZP_DTYPES)
+            if not _is_vector_of(azp, M, 0):
+                raise ValueError(
+                    f"{op}: `azp` (per-token zero point) must be [M] or [M, 1] with M = {M}; "
+                    f"got {_describe(azp)}"
+                )
+            tensors["azp"] = azp
+    for name, t in tensors.items():
+        if t.device != a.device:
+            raise ValueError(
+                f"{op}: all tensors must be on one device; `a` is on {a.device} "
+                f"but `{name}` is on {t.device}"
+            )
+    if a.dtype == torch.int8:
+        max_k = MAX_K_INT8_AZP if with_azp else MAX_K_INT8
+        if K > max_k:
+            raise ValueError(
+                f"{op}: K = {K} is too large for exact int32 accumulation of int8 products "
+                f"(at most {max_k}); split K and add the partial results"
+            )
+    else:
+        check_fp8_device(op, a.device)

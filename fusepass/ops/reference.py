@@ -1,0 +1,58 @@
+"""Plain-torch reference of the fused epilogue: the CPU implementation of every op.
+
+    out = scale_a * scale_b * (acc - azp * azp_adj) + bias,    acc = a @ b
+
+int8: ``acc`` is accumulated exactly in int32, and an int32 zero-point correction is
+applied in int32 too (exact, like the kernel). fp8: ``acc`` is fp32. The epilogue then
+runs in fp32 and rounds once to ``out_dtype``, in the same order as the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in the accumulator dtype: int32 (exact) for int8, fp32 for fp8."""
+    if a.dtype == torch.int8:
+        return a.to(torch.int32) @ b.to(torch.int32)
+    return a.to(torch.float32) @ b.to(torch.float32)
+
+
+def zero_point_correction(
+    acc: torch.Tensor, azp_adj: torch.Tensor, azp: torch.Tensor | None
+) -> torch.Tensor:
+    """``acc - azp_adj`` (per-tensor) or ``acc - azp[:, None] * azp_adj`` (per-token).
+
+    Stays in int32 when every operand is int32, else fp32 (the kernel's promotion rule).
+    """
+    adj = azp_adj.reshape(1, -1)
+    if azp is not None:
+        adj = azp.reshape(-1, 1) * adj
+    if adj.dtype != torch.int32:
+        acc = acc.to(torch.float32)
+    return acc - adj
+
+
+def epilogue(
+    acc: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Scale rows and columns of the accumulator, add bias, round once to ``out_dtype``."""
+    x = acc.to(torch.float32)
+    x = x * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1)
+    if bias is not None:
+        x = x + bias.to(torch.float32)
+    return x.to(out_dtype).contiguous()
+
+
+def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
+    return epilogue(accumulate(a, b), scale_a, scale_b, out_dtype, bias)
+
+
+def scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None):
+    acc = zero_point_correction(accumulate(a, b), azp_adj, azp)
+    return epilogue(acc, scale_a, scale_b, out_dtype, bias)

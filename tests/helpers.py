@@ -1,0 +1,103 @@
+"""Random W8A8 problems and the float64 oracle that tests compare against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Relative half-ulp of each output dtype: the op rounds its fp32 result once.
+HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+@dataclass
+class Problem:
+    a: torch.Tensor
+    b: torch.Tensor
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    bias: torch.Tensor | None = None
+    azp_adj: torch.Tensor | None = None
+    azp: torch.Tensor | None = None
+
+
+def random_q(shape, dtype, device="cpu", generator=None) -> torch.Tensor:
+    """Random int8 over its whole range, or fp8 e4m3 from a unit normal (never zeros)."""
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, dtype=torch.int8, generator=generator).to(device)
+    return (torch.randn(shape, generator=generator) * 2).to(dtype).to(device)
+
+
+def scale_shapes(length: int, axis: int):
+    """Every accepted scale layout: per-tensor (0-d, [1], [1, 1]) and per-row/column."""
+    vector = [(length, 1), (length,)] if axis == 0 else [(1, length), (length,)]
+    return [(), (1,), (1, 1)] + vector
+
+
+def scale(shape, device="cpu", generator=None) -> torch.Tensor:
+    return (torch.rand(shape, generator=generator) * 0.02 + 0.001).to(device)
+
+
+def make_problem(
+    M, N, K, dtype=torch.int8, *, sa_shape=None, sb_shape=None, bias_dtype=None,
+    azp=None, azp_dtype=torch.int32, device="cpu", seed=0,
+) -> Problem:
+    """A random problem; ``b`` is ``w.t()`` of a row-major [N, K] weight, as users pass it.
+
+    sa_shape / sb_shape default to per-token [M, 1] / per-channel [1, N]. azp: None,
+    "tensor" (azp_adj = z * colsum(b)) or "token" (azp [M], azp_adj = colsum(b)).
+    """
+    g = torch.Generator().manual_seed(seed)
+    a = random_q((M, K), dtype, device, g)
+    b = random_q((N, K), dtype, device, g).t()
+    p = Problem(a, b, scale(sa_shape or (M, 1), device, g), scale(sb_shape or (1, N), device, g))
+    if bias_dtype is not None:
+        p.bias = torch.randn(N, generator=g).to(bias_dtype).to(device)
+    colsum = b.to(torch.int32).sum(0)
+    if azp == "tensor":
+        p.azp_adj = (7 * colsum).to(azp_dtype)
+    elif azp == "token":
+        p.azp = torch.randint(-128, 128, (M,), generator=g).to(azp_dtype).to(device)
+        p.azp_adj = colsum.to(azp_dtype)
+    return p
+
+
+def oracle(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value, error bound scale) in float64 on the problem's device.
+
+    int8 products and their sums are exact in float64 (|acc| < 2**53). ``mag`` bounds the
+    magnitude of every term the epilogue adds, for an fp32 rounding-error allowance.
+    """
+    a, b = p.a.double(), p.b.double()
+    acc = a @ b
+    mag = a.abs() @ b.abs()
+    if p.azp_adj is not None:
+        adj = p.azp_adj.double().reshape(1, -1)
+        if p.azp is not None:
+            adj = p.azp.double().reshape(-1, 1) * adj
+        acc = acc - adj
+        mag = mag + adj.abs()
+    s = p.scale_a.double().reshape(-1, 1) * p.scale_b.double().reshape(1, -1)
+    out, mag = acc * s, mag * s
+    if p.bias is not None:
+        out = out + p.bias.double()
+        mag = mag + p.bias.double().abs()
+    return out, mag
+
+
+def assert_matches_oracle(out: torch.Tensor, p: Problem, out_dtype, *, extra_ulps=0.0):
+    """out is within one rounding to out_dtype (plus fp32 epilogue/accumulation error) of the
+    float64 oracle. extra_ulps widens the allowance by that many out_dtype ulps."""
+    ref, mag = oracle(p)
+    assert out.dtype == out_dtype and out.shape == ref.shape
+    K = p.a.shape[1]
+    fp32_err = (K + 8) * 2.0**-24 * mag if p.a.dtype != torch.int8 else 8 * 2.0**-24 * mag
+    # 2**-24 absolute: fp16 subnormals are spaced 2**-24 apart.
+    bound = (1 + 2 * extra_ulps) * HALF_ULP[out_dtype] * ref.abs() * 1.001 + fp32_err + 2.0**-24
+    err = (out.double() - ref).abs()
+    assert not out.isnan().any(), "NaN in output"
+    bad = err > bound
+    assert not bad.any(), (
+        f"{int(bad.sum())} of {out.numel()} elements off; worst error "
+        f"{float((err - bound).max()):.3g} over the bound, at {bad.nonzero()[0].tolist()}"
+    )

@@ -1,0 +1,85 @@
+"""The Triton kernel itself (Triton's interpreter on CPU, the GPU when there is one),
+against the ops' CPU reference, over every epilogue variant and tile path."""
+
+import pytest
+import torch
+
+from fusepass.kernels import launch_scaled_mm
+from fusepass.kernels.configs import select_config
+from tests.helpers import assert_matches_oracle, make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Triton's interpreter rounds fp32 -> bf16 toward zero (runtime/interpreter.py, cast_impl),
+# where the GPU rounds to nearest: allow one bf16 ulp there.
+BF16_ULPS = 1.0 if DEVICE == "cpu" else 0.0
+
+# Each shape hits a different path: decode tile (M <= 16), ragged M/N that wrap around,
+# K below one block, K a multiple of BLOCK_K (unmasked loop) and K ragged over several blocks.
+SHAPES = [(1, 17, 33), (7, 100, 17), (16, 64, 128), (33, 48, 256), (70, 130, 300)]
+VARIANTS = [
+    dict(sa_shape=(), sb_shape=()),
+    dict(sa_shape=(1,), sb_shape=(1, 1)),
+    dict(bias_dtype=torch.float32),
+    dict(sb_shape=(), bias_dtype=torch.bfloat16),
+]
+
+
+def _run(p, out_dtype):
+    return launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, out_dtype, p.bias, p.azp_adj, p.azp)
+
+
+def _ulps(out_dtype):
+    return BF16_ULPS if out_dtype == torch.bfloat16 else 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("M,N,K", SHAPES)
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_kernel_scaled_mm(dtype, M, N, K, variant, out_dtype):
+    p = make_problem(M, N, K, dtype, device=DEVICE, seed=variant, **VARIANTS[variant])
+    assert_matches_oracle(_run(p, out_dtype), p, out_dtype, extra_ulps=_ulps(out_dtype))
+
+
+@pytest.mark.parametrize("azp", ["tensor", "token"])
+@pytest.mark.parametrize("azp_dtype", [torch.int32, torch.float32], ids=str)
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_kernel_scaled_mm_azp(azp, azp_dtype, M, N, K):
+    p = make_problem(M, N, K, device=DEVICE, azp=azp, azp_dtype=azp_dtype, bias_dtype=torch.float32)
+    assert_matches_oracle(_run(p, torch.float32), p, torch.float32)
+
+
+def test_kernel_int32_path_is_exact():
+    # Unit scales, fp32 out, int32 zero points: the result is an exact integer below 2**24.
+    p = make_problem(20, 40, 64, device=DEVICE, sa_shape=(), sb_shape=(), azp="token")
+    p.scale_a.fill_(1.0)
+    p.scale_b.fill_(1.0)
+    out = _run(p, torch.float32)
+    exact = p.a.long() @ p.b.long() - p.azp.long()[:, None] * p.azp_adj.long()[None, :]
+    assert torch.equal(out.long(), exact)
+
+
+@pytest.mark.parametrize("layout", ["a_strided", "b_row_major", "b_sliced"])
+def test_kernel_any_strides(layout):
+    p = make_problem(9, 24, 40, device=DEVICE, bias_dtype=torch.float32)
+    if layout == "a_strided":
+        p.a = torch.cat([p.a, p.a], dim=1)[:, ::2]
+    elif layout == "b_row_major":
+        p.b = p.b.contiguous()
+    else:
+        p.b = torch.cat([p.b, p.b], dim=1)[:, 24:]
+    assert_matches_oracle(_run(p, torch.float32), p, torch.float32)
+
+
+def test_kernel_writes_every_element():
+    p = make_problem(33, 70, 50, device=DEVICE)
+    out = _run(p, torch.float32)
+    assert out.shape == (33, 70) and out.is_contiguous()
+    assert torch.isfinite(out).all()
+
+
+def test_config_covers_small_dims():
+    cfg = select_config(3, 17, 17)
+    assert cfg.block_m == 16 and cfg.block_n == 32 and cfg.block_k == 32
+    assert select_config(4096, 4096, 4096).block_m == 128

@@ -1,0 +1,84 @@
+"""Numerics of the ops' CPU implementation (the reference) against a float64 oracle."""
+
+import itertools
+
+import pytest
+import torch
+
+import fusepass
+from fusepass.ops import reference
+from tests.helpers import assert_matches_oracle, make_problem, scale_shapes
+
+OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SIZES_M = [0, 1, 7, 33, 128]
+SIZES_NK = [(17, 33), (100, 17), (64, 100)]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("M", SIZES_M)
+@pytest.mark.parametrize("N,K", SIZES_NK)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+def test_scaled_mm_matches_float64(dtype, M, N, K, out_dtype):
+    for i, (sa, sb, bias) in enumerate(
+        itertools.product(scale_shapes(M, 0), scale_shapes(N, 1), [None, out_dtype, torch.float32])
+    ):
+        p = make_problem(M, N, K, dtype, sa_shape=sa, sb_shape=sb, bias_dtype=bias, seed=i)
+        out = fusepass.scaled_mm(p.a, p.b, p.scale_a, p.scale_b, out_dtype, p.bias)
+        assert out.is_contiguous()
+        assert_matches_oracle(out, p, out_dtype)
+
+
+@pytest.mark.parametrize("azp", ["tensor", "token"])
+@pytest.mark.parametrize("azp_dtype", [torch.int32, torch.float32], ids=str)
+@pytest.mark.parametrize("M", SIZES_M)
+@pytest.mark.parametrize("N,K", SIZES_NK)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+def test_scaled_mm_azp_matches_float64(azp, azp_dtype, M, N, K, out_dtype):
+    for i, (sa, sb, bias) in enumerate(
+        itertools.product(scale_shapes(M, 0), scale_shapes(N, 1), [None, torch.float32])
+    ):
+        p = make_problem(
+            M, N, K, sa_shape=sa, sb_shape=sb, bias_dtype=bias, azp=azp, azp_dtype=azp_dtype, seed=i
+        )
+        out = fusepass.scaled_mm_azp(
+            p.a, p.b, p.scale_a, p.scale_b, out_dtype, p.azp_adj, p.azp, p.bias
+        )
+        assert_matches_oracle(out, p, out_dtype)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 17, 33), (33, 100, 17), (128, 64, 1000)])
+def test_int32_accumulator_is_exact(M, N, K):
+    # Extreme values: every product is +-2**14, the largest an int8 product can be.
+    a = torch.full((M, K), -128, dtype=torch.int8)
+    b = torch.full((K, N), -128, dtype=torch.int8)
+    acc = reference.accumulate(a, b)
+    assert acc.dtype == torch.int32
+    assert torch.equal(acc, torch.full((M, N), K * 2**14, dtype=torch.int32))
+    p = make_problem(M, N, K)
+    assert torch.equal(reference.accumulate(p.a, p.b).double(), p.a.double() @ p.b.double())
+
+
+def test_int32_zero_point_correction_is_exact():
+    # acc and azp * colsum are both large; their int32 difference must be exact, which
+    # an fp32 subtraction (24-bit mantissa) would not be.
+    p = make_problem(4, 8, 4096, azp="token")
+    acc = reference.accumulate(p.a, p.b)
+    corrected = reference.zero_point_correction(acc, p.azp_adj, p.azp)
+    assert corrected.dtype == torch.int32
+    exact = p.a.long() @ p.b.long() - p.azp.long()[:, None] * p.azp_adj.long()[None, :]
+    assert torch.equal(corrected.long(), exact)
+
+
+def test_zero_point_matches_dequantized_activations():
+    # The identity the azp ops rely on: s_a s_b ((a - z) @ b) == s_a s_b (a @ b - z colsum(b)).
+    p = make_problem(9, 24, 40, azp="token")
+    shifted = (p.a.double() - p.azp.double()[:, None]) @ p.b.double()
+    out = fusepass.scaled_mm_azp(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.azp_adj, p.azp)
+    expected = shifted * p.scale_a.double() * p.scale_b.double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_k_zero_gives_bias():
+    p = make_problem(3, 5, 0, bias_dtype=torch.float32)
+    out = fusepass.scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias)
+    assert torch.equal(out, p.bias.expand(3, 5))
