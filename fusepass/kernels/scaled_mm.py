@@ -100,10 +100,16 @@ def scaled_mm_kernel(
             b = tl.load(b_ptrs)
         else:
             k_left = K - k * BLOCK_K
-            # other=0.0: the interpreter needs a float fill for fp8 (it converts to int8 fine).
+            # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
             a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
             b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc)
+        if a_ptr.dtype.element_ty == tl.int8:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        else:
+            # Hopper's fp8 MMAs add at reduced precision; fold each BLOCK_K slice into the
+            # fp32 accumulator, as cuBLAS does without fast accumulation. At 4096^3 on H200:
+            # max error 2.4e-5 of sum|a*b| (torch._scaled_mm: same) vs 5.4e-4 without.
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += step_a
         b_ptrs += step_b
 
