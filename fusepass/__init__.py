@@ -1,5 +1,23 @@
-"""fusepass: fused W8A8 (int8 / fp8) quantized linear layers under torch.compile."""
+"""fusepass: fused W8A8 (int8 / fp8) quantized linear layers under torch.compile.
 
+Three ways in: ``torch.compile(model, backend="fusepass")``;
+``torch.compile(model, options=fusepass.inductor_options())``; or the ops themselves,
+``fusepass.scaled_mm`` / ``fusepass.scaled_mm_azp`` (``torch.ops.fusepass.*``).
+``fusepass.explain(model, *inputs)`` reports what the pass fuses and why not.
+"""
+
+from .backend import fusepass_backend, inductor_options
+from .explain import Report, explain
 from .ops import scaled_mm, scaled_mm_azp
+from .passes import FusePass, PassConfig
 
-__all__ = ["scaled_mm", "scaled_mm_azp"]
+__all__ = [
+    "FusePass",
+    "PassConfig",
+    "Report",
+    "explain",
+    "fusepass_backend",
+    "inductor_options",
+    "scaled_mm",
+    "scaled_mm_azp",
+]

@@ -1,0 +1,93 @@
+"""The ``fusepass`` torch.compile backend, and the pass as options for stock Inductor.
+
+    torch.compile(model, backend="fusepass")                    # found via entry point
+    torch.compile(model, options=fusepass.inductor_options())   # stock Inductor + the pass
+
+Both keep Inductor's FX graph cache on: the pass is a CustomGraphPass with a uuid().
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from .passes import FusePass, PassConfig
+
+_HOOK = "post_grad_custom_pre_pass"  # why this hook: fusepass/passes/fuse_pass.py
+
+
+class ChainedPass(CustomGraphPass):
+    """The user's own pass, then fusepass's: theirs sees the graph they wrote it for.
+
+    Its uuid() combines the members' uuids; a member without one (a plain function)
+    makes it None, which turns Inductor's FX graph cache off rather than risk a stale hit.
+    """
+
+    def __init__(self, *passes):
+        self.passes = passes
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self):
+        ids = []
+        for p in self.passes:
+            uid = p.uuid() if isinstance(p, CustomGraphPass) else None
+            if uid is None:
+                return None
+            ids.append(uid if isinstance(uid, bytes) else repr(uid).encode())
+        return hashlib.sha256(b"|".join(ids)).hexdigest()
+
+
+def _without_fusepass(p):
+    """``p`` with any fusepass pass taken out (so chaining twice never runs it twice)."""
+    if isinstance(p, FusePass):
+        return None
+    if isinstance(p, ChainedPass):
+        rest = [q for q in map(_without_fusepass, p.passes) if q is not None]
+        return None if not rest else rest[0] if len(rest) == 1 else ChainedPass(*rest)
+    return p
+
+
+def inductor_options(options: dict | None = None, *, config: PassConfig | None = None) -> dict:
+    """Inductor options (for ``torch.compile(..., options=...)``) that add the fusepass pass.
+
+    A ``post_grad_custom_pre_pass`` already in ``options``, or else already set in
+    ``torch._inductor.config``, is kept and runs first (chained, never replaced).
+    """
+    opts = dict(options or {})
+    existing = _without_fusepass(opts.get(_HOOK, getattr(torch._inductor.config, _HOOK)))
+    ours = FusePass(config)
+    opts[_HOOK] = ours if existing is None else ChainedPass(existing, ours)
+    return opts
+
+
+def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
+    """The ``fusepass`` backend: Inductor with the fusion pass; takes ``mode=``/``options=``
+    as ``torch.compile`` passes them (e.g. ``mode="reduce-overhead"`` for CUDA graphs)."""
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    patches = dict(list_mode_options(mode)) if mode else {}
+    patches.update(options or {})
+    return compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
+
+
+def capture_backend(on_graph):
+    """A backend that stops where the pass runs: AOT-trace with Inductor's decompositions
+    and joint-graph passes (the graph the pass sees inside Inductor), call ``on_graph(gm)``,
+    then run the graph eagerly. For ``explain`` and tests: no Inductor code generation."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+
+    def forward_compiler(gm, example_inputs):
+        joint_graph_passes(gm)
+        on_graph(gm)
+        gm.recompile()
+        return gm.forward
+
+    return aot_autograd(fw_compiler=forward_compiler, decompositions=select_decomp_table())

@@ -1,0 +1,121 @@
+"""The fusion pass: Inductor ``CustomGraphPass`` that rewrites quantized matmul epilogues.
+
+Hook point: ``post_grad_custom_pre_pass``, i.e. on the functional, decomposed ATen graph,
+before Inductor's own post-grad patterns. Those would otherwise get there first:
+``fused_int_mm_mul`` and ``unfuse_bias_add_to_pointwise`` rewrite exactly the
+``_int_mm -> mul -> add`` chains this pass reads (pytorch #136329, vLLM RFC #27072 on the
+same choice). The cost is that Inductor's no-op removal has not run yet, so the walker
+steps over no-op casts, clones and views itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch.fx as fx
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+from .graph import Rejected, aten
+from .patterns import PATTERNS
+from .rewrite import emit
+
+log = logging.getLogger("fusepass.pass")
+
+# The rewrite depends on the pass and on the ops' contract: both go into uuid().
+_PKG = Path(__file__).resolve().parent.parent
+_SOURCES = tuple(sorted(str(p) for d in ("passes", "ops") for p in (_PKG / d).rglob("*.py")))
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    # Row 7 (a bare torch._scaled_mm) is rewritten only for a static M at most this.
+    fp8_direct_max_m: int = 16
+    # Pattern families to run, by module name (int_mm, scaled_mm, dequant_mm).
+    patterns: tuple = tuple(p.__name__.rsplit(".", 1)[1] for p in PATTERNS)
+
+
+@dataclass
+class Decision:
+    """What the pass did with one quantized matmul (a line of ``fusepass.explain``)."""
+
+    node: str  # the matmul node in the graph
+    target: str  # e.g. aten._int_mm
+    shapes: str  # operand shapes and dtypes
+    location: str  # the user's source line, if known
+    pattern: str | None = None  # the counter name, when fused
+    op: str | None = None  # the fused op it became
+    reason: str = ""  # why it stayed, when it did
+
+    @property
+    def fused(self) -> bool:
+        return self.op is not None
+
+
+def _location(node: fx.Node) -> str:
+    """``file:line: code`` of the innermost user frame in the node's stack trace."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        head = lines[i].strip()
+        if head.startswith('File "'):
+            path, _, rest = head[len('File "'):].partition('", line ')
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{Path(path).name}:{rest.split(',')[0]}: {code}"
+    return ""
+
+
+def _describe(node: fx.Node) -> str:
+    parts = []
+    for arg in node.args[1:3] if node.target is aten.addmm.default else node.args[:2]:
+        v = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if v is not None:
+            parts.append(f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}")
+    return " x ".join(parts)
+
+
+class FusePass(CustomGraphPass):
+    """Rewrite every fusable quantized matmul + epilogue in a graph into a fusepass op."""
+
+    def __init__(self, config: PassConfig | None = None):
+        self.config = config or PassConfig()
+        self.patterns = [p for p in PATTERNS if p.__name__.rsplit(".", 1)[1] in self.config.patterns]
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.run(graph)
+
+    def run(self, graph: fx.Graph) -> list[Decision]:
+        decisions = []
+        for node in list(graph.nodes):
+            if getattr(node, "_erased", False) or node.op != "call_function":
+                continue
+            for pattern in self.patterns:
+                if node.target in pattern.ANCHORS:
+                    d = self._try(graph, node, pattern)
+                    if d is not None:
+                        decisions.append(d)
+        if any(d.fused for d in decisions):
+            graph.eliminate_dead_code()
+            graph.lint()
+        return decisions
+
+    def _try(self, graph: fx.Graph, node: fx.Node, pattern) -> Decision | None:
+        d = Decision(node.name, str(node.target).replace(".default", ""), _describe(node), _location(node))
+        try:
+            cand = pattern.match(node, self.config)
+            if cand is None:
+                return None
+            d.op = cand.op_name
+            emit(graph, cand)
+        except Rejected as e:
+            d.op, d.reason = None, str(e)
+            log.debug("fusepass: left %s (%s) alone: %s", node.name, d.shapes, d.reason)
+            return d
+        d.pattern = cand.pattern
+        counters["fusepass"][cand.pattern] += 1
+        log.debug("fusepass: fused %s (%s) into %s [%s]", d.node, d.shapes, d.op, d.pattern)
+        return d
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files(_SOURCES, extra=repr(self.config))

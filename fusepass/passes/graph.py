@@ -1,0 +1,150 @@
+"""Small FX helpers the patterns share: reading ``meta["val"]``, classifying how a tensor
+broadcasts against a matmul output, and inserting nodes with fake-tensor metadata.
+
+Every shape question is asked with ``statically_known_true`` so that symbolic sizes
+(dynamic M) are compared as expressions and no guard is ever added by the pass.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+aten = torch.ops.aten
+prims = torch.ops.prims
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+class Rejected(Exception):
+    """A candidate the pass leaves alone; the message says why (shown by ``explain``)."""
+
+
+def val(arg) -> Any:
+    """The fake value of a node (or the argument itself when it is a Python constant)."""
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def tensor_val(node) -> torch.Tensor:
+    v = val(node)
+    if not isinstance(v, torch.Tensor):
+        raise Rejected(f"{node} has no tensor metadata")
+    return v
+
+
+def same(a, b) -> bool:
+    return statically_known_true(a == b)
+
+
+def is_call(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def single_user(node: fx.Node) -> fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+class Axis(enum.Enum):
+    """How a multiplier broadcasts against a [..., N] matmul output."""
+
+    TENSOR = "per-tensor"  # one value
+    ROW = "per-token"  # one value per row: [..., 1] matching the leading dims
+    COL = "per-channel"  # one value per output column: [N] / [1, N] / [1, 1, N]
+
+
+def classify(arg, out_shape) -> Axis:
+    """The broadcast axis of ``arg`` (a node or Python number) against ``out_shape``.
+
+    Raises Rejected for anything that is not one value per tensor, row or column (a full
+    [M, N] tensor, or a vector that broadcasts along the wrong axis).
+    """
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return Axis.TENSOR
+    v = tensor_val(arg)
+    if v.dim() > len(out_shape):
+        raise Rejected(f"{arg} ({_shape(v)}) has more dims than the matmul output {list(out_shape)}")
+    if statically_known_true(v.numel() == 1):
+        return Axis.TENSOR
+    shape = [1] * (len(out_shape) - v.dim()) + list(v.shape)
+    lead, last = shape[:-1], shape[-1]
+    if same(last, out_shape[-1]) and all(same(d, 1) for d in lead):
+        return Axis.COL
+    if same(last, 1) and all(same(d, o) for d, o in zip(lead, out_shape[:-1])):
+        return Axis.ROW
+    raise Rejected(
+        f"{arg} of shape {_shape(v)} is not per-tensor, per-token or per-channel "
+        f"for an output of shape {list(out_shape)}"
+    )
+
+
+def _shape(v: torch.Tensor) -> list:
+    return list(v.shape)
+
+
+class Inserter:
+    """Inserts nodes before ``anchor`` and fills their ``meta["val"]`` by running the op
+    on the fake inputs, as Inductor's own pattern replacements do. ``rollback`` removes
+    them again (when the op's checks refuse the arguments)."""
+
+    def __init__(self, graph: fx.Graph, anchor: fx.Node):
+        self.graph = graph
+        self.anchor = anchor
+        self.created: list[fx.Node] = []
+        self.fake_mode = detect_fake_mode(
+            [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+        )
+
+    def call(self, target, *args, **kwargs) -> fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.call_function(target, args, kwargs)
+        self.created.append(node)
+        fake_args, fake_kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        return node
+
+    def rollback(self) -> None:
+        for node in reversed(self.created):
+            self.graph.erase_node(node)
+        self.created.clear()
+
+    def fp32(self, node: fx.Node) -> fx.Node:
+        if tensor_val(node).dtype == torch.float32:
+            return node
+        return self.call(prims.convert_element_type.default, node, torch.float32)
+
+    def constant(self, value: float, device) -> fx.Node:
+        return self.call(aten.full.default, [], value, dtype=torch.float32, device=device)
+
+    def flat(self, node: fx.Node) -> fx.Node:
+        """A [M] / [N] view of a per-token / per-channel tensor ([M, 1], [1, N], [B, S, 1]...)."""
+        return node if tensor_val(node).dim() == 1 else self.call(aten.reshape.default, node, [-1])
+
+    def scalar(self, arg):
+        """A per-tensor multiplier as an fp32 0-d tensor (Python numbers stay numbers)."""
+        if not isinstance(arg, fx.Node):
+            return arg
+        if tensor_val(arg).dim() != 0:
+            arg = self.call(aten.reshape.default, arg, [])
+        return self.fp32(arg)
+
+    def product(self, nodes: list, device) -> fx.Node | None:
+        """The product of fp32 nodes and Python numbers (None when there are none)."""
+        numbers = [n for n in nodes if not isinstance(n, fx.Node)]
+        tensors = [n for n in nodes if isinstance(n, fx.Node)]
+        if numbers:
+            tensors.append(self.constant(math.prod(numbers), device))
+        if not tensors:
+            return None
+        out = tensors[0]
+        for t in tensors[1:]:
+            out = self.call(aten.mul.Tensor, out, t)
+        return out

@@ -1,0 +1,11 @@
+"""One module per pattern family; each opens with what it matches and what it becomes.
+
+A module has ``ANCHORS`` (the matmul ops it starts from), ``NAMES`` (its counter names)
+and ``match(node, config)``, which returns a Candidate, None for a node that is not a
+quantized matmul, or raises Rejected with the reason it must stay as it is.
+"""
+
+from . import dequant_mm, int_mm, scaled_mm
+
+PATTERNS = (int_mm, scaled_mm, dequant_mm)
+NAMES = tuple(name for p in PATTERNS for name in p.NAMES)
