@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .graph import FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, classify, is_call, prims, same, tensor_val
+from .graph import FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, is_call, peel_expand, same, tensor_val
 
 AZP_DTYPES = (torch.int32, torch.float32)
 
@@ -51,12 +51,13 @@ class Epilogue:
 
 
 def _other(node: fx.Node, cur: fx.Node):
-    """The operand of a binary op that is not ``cur`` (None when both are ``cur``)."""
+    """The operand of a binary op that is not ``cur`` (None when both are ``cur``),
+    seen through ``expand`` (torchao expands its scales to [M, N] before multiplying)."""
     a, b = node.args[0], node.args[1]
     if a is cur and b is not cur:
-        return b
+        return peel_expand(b)
     if b is cur and a is not cur:
-        return a
+        return peel_expand(a)
     return None
 
 
@@ -72,11 +73,19 @@ class _Walker:
         self.device = tensor_val(anchor).device
         self.acc_shape = list(tensor_val(anchor).shape)
 
-    def multiplier(self, arg, shape) -> Axis:
+    def factors(self, arg, shape) -> list:
+        """[(multiplier, Axis)] of a scale operand; a product of scales (``sa * sb``, an
+        outer product included) is split back into its factors."""
+        arg = peel_expand(arg)
         _check_device(arg, self.device, "multiplier")
         if isinstance(arg, fx.Node) and tensor_val(arg).dtype not in FLOAT_DTYPES:
             raise Rejected(f"multiplier {arg} has dtype {tensor_val(arg).dtype}, not a float scale")
-        return classify(arg, shape)
+        try:
+            return [(arg, classify(arg, shape))]
+        except Rejected:
+            if is_call(arg, aten.mul.Tensor) and all(isinstance(t, fx.Node) for t in arg.args[:2]):
+                return self.factors(arg.args[0], shape) + self.factors(arg.args[1], shape)
+            raise
 
     def step(self, cur: fx.Node, user: fx.Node):
         """How ``user`` (the next node after ``cur``) folds into the epilogue: a function
@@ -86,8 +95,8 @@ class _Walker:
         out = tensor_val(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
         if out is None or len(out.shape) != len(shape) and not is_call(user, *VIEW_OPS):
             return None
-        if is_call(user, prims.convert_element_type.default):
-            return _noop if user.args[1] in FLOAT_DTYPES else None
+        if cast_dtype(user) is not None:
+            return _noop if cast_dtype(user) in FLOAT_DTYPES else None
         if is_call(user, aten.clone.default):
             return None if user.kwargs.get("memory_format") else _noop
         if is_call(user, *VIEW_OPS):
@@ -99,7 +108,7 @@ class _Walker:
         if is_call(user, aten.sub.Tensor) and user.args[0] is cur and user.kwargs.get("alpha", 1) == 1:
             if not self.allow_azp or ep.scaled or ep.bias is not None or ep.azp_adj is not None:
                 return None
-            azp, azp_adj = self.zero_point(user.args[1], shape)
+            azp, azp_adj = self.zero_point(peel_expand(user.args[1]), shape)
             return lambda: (setattr(ep, "azp", azp), setattr(ep, "azp_adj", azp_adj))
         if out.dtype not in FLOAT_DTYPES:
             return None  # integer arithmetic (could wrap): not a dequantization step
@@ -107,15 +116,16 @@ class _Walker:
             other = _other(user, cur)
             if other is None:
                 raise Rejected(f"{user} squares the accumulator")
+            _check_device(other, self.device, "multiplier")  # mixed devices: never fused
             try:
-                axis = self.multiplier(other, shape)
+                factors = self.factors(other, shape)
             except Rejected:
                 if ep.scaled:
                     return None  # the dequantization is complete; a different op follows
                 raise
             if ep.bias is not None:
                 return None  # a multiply after the bias: fuse up to the bias
-            return lambda: ep.add_factor(other, axis)
+            return lambda: [ep.add_factor(f, axis) for f, axis in factors]
         if is_call(user, aten.add.Tensor) and user.kwargs.get("alpha", 1) == 1:
             other = _other(user, cur)
             if ep.bias is not None or not ep.scaled or not isinstance(other, fx.Node):
@@ -134,7 +144,7 @@ class _Walker:
         if classify_or_none(term, shape) is Axis.COL:
             azp_adj = term
         elif is_call(term, aten.mul.Tensor) and all(isinstance(t, fx.Node) for t in term.args[:2]):
-            axes = {classify_or_none(t, shape): t for t in term.args[:2]}
+            axes = {classify_or_none(peel_expand(t), shape): peel_expand(t) for t in term.args[:2]}
             if set(axes) != {Axis.ROW, Axis.COL}:
                 raise Rejected(f"zero-point term {term} is not azp[M, 1] * azp_adj[1, N]")
             azp, azp_adj = axes[Axis.ROW], axes[Axis.COL]

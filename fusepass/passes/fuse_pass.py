@@ -91,10 +91,10 @@ class FusePass(CustomGraphPass):
             if getattr(node, "_erased", False) or node.op != "call_function":
                 continue
             for pattern in self.patterns:
-                if node.target in pattern.ANCHORS:
-                    d = self._try(graph, node, pattern)
-                    if d is not None:
-                        decisions.append(d)
+                d = self._try(graph, node, pattern) if node.target in pattern.ANCHORS else None
+                if d is not None:  # the first pattern that recognizes the matmul decides
+                    decisions.append(d)
+                    break
         if any(d.fused for d in decisions):
             graph.eliminate_dead_code()
             graph.lint()

@@ -20,6 +20,8 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# 8-bit dtypes a quantized matmul may start from; the ops take int8 and float8_e4m3fn.
+QUANT_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 VIEW_OPS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
@@ -45,6 +47,23 @@ def same(a, b) -> bool:
 
 def is_call(node, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def cast_dtype(node):
+    """The target dtype if ``node`` is a pure dtype cast (``convert_element_type``, or
+    ``_to_copy`` with nothing but a dtype: graphs traced without decompositions), else None."""
+    if is_call(node, prims.convert_element_type.default):
+        return node.args[1]
+    if is_call(node, aten._to_copy.default) and len(node.args) == 1 and set(node.kwargs) == {"dtype"}:
+        return node.kwargs["dtype"]
+    return None
+
+
+def peel_expand(arg):
+    """``t`` for ``t.expand(...)``: an expanded multiplier holds the values of ``t``."""
+    while is_call(arg, aten.expand.default):
+        arg = arg.args[0]
+    return arg
 
 
 def single_user(node: fx.Node) -> fx.Node | None:

@@ -18,20 +18,20 @@ import torch
 import torch.fx as fx
 
 from ..epilogue import Epilogue, walk
-from ..graph import VIEW_OPS, Axis, Rejected, aten, classify, is_call, prims, single_user, tensor_val
+from ..graph import FLOAT_DTYPES, QUANT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, is_call, single_user, tensor_val
 from ..rewrite import Candidate, check_operands
 
 ANCHORS = (aten.mm.default, aten.addmm.default)
 NAMES = ("dequant_mm",)
-_QUANT = (torch.int8, torch.float8_e4m3fn)
+_QUANT = (torch.int8, torch.float8_e4m3fn)  # what the ops take
 
 
 def _dequant(node):
-    """(q, scale) if ``node`` is ``q.to(float) * scale`` with an int8/fp8 ``q``, else None."""
+    """(q, scale) if ``node`` is ``q.to(float) * scale`` with an 8-bit ``q``, else None."""
     if not is_call(node, aten.mul.Tensor):
         return None
     for x, s in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-        if is_call(x, prims.convert_element_type.default) and tensor_val(x.args[0]).dtype in _QUANT:
+        if cast_dtype(x) in FLOAT_DTYPES and tensor_val(x.args[0]).dtype in QUANT_DTYPES:
             return x.args[0], s
     return None
 

@@ -1,13 +1,19 @@
-"""Rows 1-5 of the pattern catalogue: ``torch._int_mm`` and its dequantization epilogue.
+"""Rows 1-5 of the pattern catalogue: an int8 x int8 -> int32 matmul and its epilogue.
 
-Matches ``aten._int_mm(a, b)`` (int8 x int8 -> int32) followed by the elementwise chain
-that ``epilogue.walk`` folds: casts anywhere, ``* scale_a`` / ``* scale_b`` in any order or
-pre-multiplied (0-d, [M, 1], [M], [1, N], [N], Python numbers), an optional ``+ bias``
-(out dtype or fp32), 2-D <-> 3-D views around it (row 3), and before the scaling an
-optional activation zero-point correction:
+Matches ``aten._int_mm(a, b)``, and ``aten.mm`` of int8 tensors cast to int32 (what
+``torch._higher_order_ops.out_dtype(mm, int32, a, b)``, torchao's compile path, becomes
+on CPU), followed by the elementwise chain ``epilogue.walk`` folds: casts anywhere,
+``* scale_a`` / ``* scale_b`` in any order or pre-multiplied (0-d, [M, 1], [M], [1, N],
+[N], Python numbers, or those expanded to [M, N]), an optional ``+ bias`` (out dtype or
+fp32), 2-D <-> 3-D views around it (row 3), and before the scaling an optional
+activation zero-point correction:
 
 - ``acc - azp_adj`` or ``acc - z_a * colsum`` with a per-tensor ``z_a`` (row 4),
 - ``acc - azp[M, 1] * azp_adj[1, N]`` (row 5).
+
+Also torchao's CPU form of symmetric int8 (oneDNN's u8s8 kernel): ``a`` shifted to uint8
+by ``(a.to(int32) + 128).to(uint8)`` and the shift removed by ``- 128 * b.sum(0)``; the
+int8 ``a`` is used directly and the correction cancels.
 
 Becomes ``fusepass.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)`` (rows 1-3) or
 ``fusepass.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)`` (4-5),
@@ -19,16 +25,53 @@ from __future__ import annotations
 import torch
 
 from ..epilogue import walk
-from ..graph import Rejected, aten
+from ..graph import Rejected, aten, cast_dtype, is_call, tensor_val
 from ..rewrite import Candidate, check_operands
 
-ANCHORS = (aten._int_mm.default,)
+ANCHORS = (aten._int_mm.default, aten.mm.default)
 NAMES = ("int_mm_scaled", "int_mm_azp_per_tensor", "int_mm_azp_per_token")
 
 
-def match(node, config) -> Candidate:
+def _cast_from(node, src, dst):
+    """``x`` if ``node`` is ``x.to(dst)`` with ``x`` of dtype ``src``, else None."""
+    if cast_dtype(node) == dst and tensor_val(node.args[0]).dtype == src:
+        return node.args[0]
+    return None
+
+
+def _u8_shifted(a):
+    """The int8 ``x`` of ``(x.to(int32) + 128).to(uint8)``, else None."""
+    add = _cast_from(a, torch.int32, torch.uint8)
+    if is_call(add, aten.add.Tensor) and add.args[1] == 128:
+        return _cast_from(add.args[0], torch.int8, torch.int32)
+    return None
+
+
+def _is_shift_correction(term, b) -> bool:
+    """``term`` is ``b.sum(0, keepdim, dtype=int32) * 128``: the u8 shift's contribution."""
+    if not is_call(term, aten.mul.Tensor) or 128 not in term.args[:2]:
+        return False
+    total = term.args[0] if term.args[1] == 128 else term.args[1]
+    return (
+        is_call(total, aten.sum.dim_IntList)
+        and total.args[0] is b
+        and list(total.args[1]) == [0]
+        and total.kwargs.get("dtype") == torch.int32
+    )
+
+
+def match(node, config) -> Candidate | None:
     a, b = node.args[0], node.args[1]
+    if node.target is aten.mm.default:  # int32 mm of int8 casts, or not ours
+        a, b = _cast_from(a, torch.int8, torch.int32), _cast_from(b, torch.int8, torch.int32)
+        if a is None or b is None:
+            return None
     ep = walk(node, allow_azp=True)
+    shifted = _u8_shifted(a)
+    if shifted is not None:
+        if ep.azp is not None or not _is_shift_correction(ep.azp_adj, b):
+            raise Rejected("uint8 activations without the matching - 128 * b.sum(0) correction")
+        a, ep.azp_adj = shifted, None
     if not ep.scaled:
         raise Rejected("no scale multiply follows the int32 accumulator")
     check_operands(a, b, (torch.int8,), azp=ep.azp_adj is not None)

@@ -1,0 +1,107 @@
+"""Pattern rows 6-8: torch._scaled_mm (fp8) with and without an epilogue, and
+dequantize-then-matmul, -> fusepass.scaled_mm."""
+
+import expecttest
+import pytest
+import torch
+
+from fusepass.passes import PassConfig
+from tests.passes.data import K, M, N, bias, f8, i8, scale
+from tests.passes.harness import assert_policy, run_pass
+
+F = torch.nn.functional
+
+
+class TestScaledMMAndDequant(expecttest.TestCase):
+    def check(self, fn, args, ref, pattern, **kw):
+        r = run_pass(fn, *args, **kw)
+        self.assertEqual(r.counts, {pattern: 1})
+        assert_policy(r.out, fn(*args), ref)
+        return r.after
+
+    def test_row6_scaled_mm_unit_scales_then_epilogue(self):
+        def f(a, b, one, sa, sb, bias):
+            y = torch._scaled_mm(a, b, one, one, out_dtype=torch.float32)
+            return (y * sa * sb + bias).to(torch.bfloat16)
+
+        a, w, one = f8(M, K), f8(N, K, seed=1), torch.ones(())
+        sa, sb, bs = scale(M, 1), scale(1, N, seed=2), bias()
+        ref = a.double() @ w.double().t() * sa.double() * sb.double() + bs.double()
+        self.assertExpectedInline(
+            self.check(f, (a, w.t(), one, sa, sb, bs), ref, "scaled_mm_fp8_epilogue"), """\
+reshape_default: f32[24] = aten.reshape(sa, [-1])
+reshape_default_1: f32[40] = aten.reshape(sb, [-1])
+mul_tensor: f32[40] = aten.mul.Tensor(reshape_default_1, one)
+mul_tensor_1: f32[40] = aten.mul.Tensor(mul_tensor, one)
+scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, mul_tensor_1, bf16, bias)
+return [scaled_mm_default]""")
+
+    def test_row7_rowwise_scaled_mm_at_decode_size(self):
+        def f(a, b, sa, sb, bias):
+            return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+
+        m = 8
+        a, w, sa, sb = f8(m, K), f8(N, K, seed=1), scale(m, 1), scale(1, N, seed=2)
+        bs = bias(dtype=torch.bfloat16)
+        ref = a.double() @ w.double().t() * sa.double() * sb.double() + bs.double()
+        self.assertExpectedInline(self.check(f, (a, w.t(), sa, sb, bs), ref, "scaled_mm_fp8_direct"), """\
+reshape_default: f32[8] = aten.reshape(sa, [-1])
+reshape_default_1: f32[40] = aten.reshape(sb, [-1])
+scaled_mm_default: bf16[8, 40] = fusepass.scaled_mm(a, b, reshape_default, reshape_default_1, bf16, bias)
+return [scaled_mm_default]""")
+
+    def test_row7_kept_above_the_decode_threshold(self):
+        def f(a, b, sa, sb):
+            return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+
+        args = (f8(M, K), f8(N, K, seed=1).t(), scale(M, 1), scale(1, N, seed=2))
+        r = run_pass(f, *args)
+        self.assertEqual(r.counts, {})
+        self.assertEqual(r.after, r.before)
+        self.assertIn("cuBLAS is the faster choice above M = 16", r.decisions[0].reason)
+        r = run_pass(f, *args, config=PassConfig(fp8_direct_max_m=32))
+        self.assertEqual(r.counts, {"scaled_mm_fp8_direct": 1})
+
+    def test_row8_linear_of_dequantized_tensors(self):
+        def f(xq, sx, wq, sw, bias):
+            return F.linear(xq.float() * sx, wq.float() * sw, bias)
+
+        xq, sx, wq, sw, bs = i8(M, K), scale(M, 1), i8(N, K, seed=1), scale(N, 1, seed=2), bias()
+        ref = (xq.double() * sx.double()) @ (wq.double() * sw.double()).t() + bs.double()
+        self.assertExpectedInline(self.check(f, (xq, sx, wq, sw, bs), ref, "dequant_mm"), """\
+permute_default: i8[64, 40] = aten.permute(wq, [1, 0])
+reshape_default: f32[24] = aten.reshape(sx, [-1])
+reshape_default_1: f32[40] = aten.reshape(sw, [-1])
+scaled_mm_default: f32[24, 40] = fusepass.scaled_mm(xq, permute_default, reshape_default, reshape_default_1, f32, bias)
+return [scaled_mm_default]""")
+
+    def test_row8_3d_bf16_matmul_fp8(self):
+        def f(xq, sx, wq, sw):
+            return (xq.to(torch.bfloat16) * sx) @ (wq.to(torch.bfloat16) * sw).t()
+
+        xq, sx = f8(2, 12, K), scale(2, 12, 1, dtype=torch.bfloat16)
+        wq, sw = f8(N, K, seed=1), scale(N, 1, seed=2, dtype=torch.bfloat16)
+        ref = (xq.double() * sx.double()) @ (wq.double() * sw.double()).t()
+        self.assertExpectedInline(self.check(f, (xq, sx, wq, sw), ref, "dequant_mm"), """\
+view_default: f8e4m3[24, 64] = aten.view(xq, [24, 64])
+permute_default: f8e4m3[64, 40] = aten.permute(wq, [1, 0])
+reshape_default: bf16[24] = aten.reshape(sx, [-1])
+convert_element_type_default: f32[24] = prims.convert_element_type(reshape_default, f32)
+reshape_default_1: bf16[40] = aten.reshape(sw, [-1])
+convert_element_type_default_1: f32[40] = prims.convert_element_type(reshape_default_1, f32)
+scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(view_default, permute_default, convert_element_type_default, convert_element_type_default_1, bf16, None)
+view_default_1: bf16[2, 12, 40] = aten.view(scaled_mm_default, [2, 12, 40])
+return [view_default_1]""")
+
+    def test_plain_float_matmul_is_not_a_candidate(self):
+        r = run_pass(lambda x, w: F.linear(x, w), torch.randn(M, K), torch.randn(N, K))
+        self.assertEqual((r.counts, r.decisions, r.after), ({}, [], r.before))
+
+
+@pytest.mark.parametrize("M_", [1, 16, 17])
+def test_row7_threshold_is_inclusive(M_):
+    def f(a, b, sa, sb):
+        return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
+
+    r = run_pass(f, f8(M_, K), f8(N, K, seed=1).t(), scale(M_, 1), scale(1, N, seed=2))
+    assert r.counts == ({"scaled_mm_fp8_direct": 1} if M_ <= 16 else {})
