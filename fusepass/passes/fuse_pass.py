@@ -34,7 +34,12 @@ class PassConfig:
     # Row 7 (a bare torch._scaled_mm) is rewritten only for a static M at most this.
     fp8_direct_max_m: int = 16
     # Pattern families to run, by module name (int_mm, scaled_mm, dequant_mm).
-    patterns: tuple = tuple(p.__name__.rsplit(".", 1)[1] for p in PATTERNS)
+    patterns: tuple = tuple(PATTERNS)
+
+    def __post_init__(self):
+        unknown = set(self.patterns) - set(PATTERNS)
+        if unknown:
+            raise ValueError(f"PassConfig.patterns: unknown {sorted(unknown)}; known: {list(PATTERNS)}")
 
 
 @dataclass
@@ -79,8 +84,7 @@ class FusePass(CustomGraphPass):
     """Rewrite every fusable quantized matmul + epilogue in a graph into a fusepass op."""
 
     def __init__(self, config: PassConfig | None = None):
-        self.config = config or PassConfig()
-        self.patterns = [p for p in PATTERNS if p.__name__.rsplit(".", 1)[1] in self.config.patterns]
+        self.config = config or PassConfig()  # plain data: Inductor deep-copies its config
 
     def __call__(self, graph: fx.Graph) -> None:
         self.run(graph)
@@ -90,7 +94,7 @@ class FusePass(CustomGraphPass):
         for node in list(graph.nodes):
             if getattr(node, "_erased", False) or node.op != "call_function":
                 continue
-            for pattern in self.patterns:
+            for pattern in (PATTERNS[name] for name in self.config.patterns):
                 d = self._try(graph, node, pattern) if node.target in pattern.ANCHORS else None
                 if d is not None:  # the first pattern that recognizes the matmul decides
                     decisions.append(d)

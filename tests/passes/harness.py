@@ -43,7 +43,9 @@ def format_graph(gm: fx.GraphModule, names=()) -> str:
     text = "\n".join(lines)
     for old, new in sorted(rename.items(), key=lambda kv: -len(kv[0])):
         text = re.sub(rf"\b{old}\b", new, text)
-    return text
+    # Symbol numbering differs between torch versions: number them by first appearance.
+    symbols = list(dict.fromkeys(re.findall(r"\bs\d+\b", text)))
+    return re.sub(r"\bs\d+\b", lambda m: f"S{symbols.index(m.group(0))}", text)
 
 
 @dataclass

@@ -7,5 +7,5 @@ quantized matmul, or raises Rejected with the reason it must stay as it is.
 
 from . import dequant_mm, int_mm, scaled_mm
 
-PATTERNS = (int_mm, scaled_mm, dequant_mm)
-NAMES = tuple(name for p in PATTERNS for name in p.NAMES)
+# Tried in this order; the first that recognizes a matmul decides about it.
+PATTERNS = {"int_mm": int_mm, "scaled_mm": scaled_mm, "dequant_mm": dequant_mm}

@@ -1,0 +1,155 @@
+"""The torch.compile entry points: the named backend, inductor_options, the FX graph cache.
+
+These run Inductor for real (C++ codegen on CPU, ~20 s a compile), so they are few.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import fusepass
+from fusepass.backend import ChainedPass
+from tests.models import MLP
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _x(M=24):
+    return torch.randn(2, M // 2, 64, generator=torch.Generator().manual_seed(1))
+
+
+class UserPass(CustomGraphPass):
+    """A user's own post-grad pass: records that it ran, and what it saw."""
+
+    def __init__(self):
+        self.saw_int_mm = []
+
+    def __call__(self, graph):
+        self.saw_int_mm.append(any(n.target is torch.ops.aten._int_mm.default for n in graph.nodes))
+
+    def uuid(self):
+        return "user-pass-v1"
+
+
+@pytest.fixture
+def fresh_compile():
+    """Compile for real: no graph served from an earlier run's caches."""
+    torch._dynamo.reset()
+    counters["fusepass"].clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+def _reference(model, x):
+    with torch.no_grad():
+        return model(x)
+
+
+def test_backend_by_name_fuses_every_linear(fresh_compile):
+    model, x = MLP().eval(), _x()
+    with torch.no_grad():
+        out = torch.compile(model, backend="fusepass")(x)
+    assert counters["fusepass"] == {"int_mm_scaled": 2}
+    torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_options_chain_the_users_pass(fresh_compile):
+    user = UserPass()
+    options = fusepass.inductor_options({"post_grad_custom_pre_pass": user})
+    assert isinstance(options["post_grad_custom_pre_pass"], ChainedPass)
+    model, x = MLP().eval(), _x()
+    with torch.no_grad():
+        out = torch.compile(model, options=options)(x)
+    assert user.saw_int_mm == [True]  # the user's pass ran, first, on the unfused graph
+    assert counters["fusepass"] == {"int_mm_scaled": 2}
+    torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_options_keep_a_configured_pass_and_never_add_ours_twice(monkeypatch):
+    user = UserPass()
+    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_pre_pass", user)
+    chained = fusepass.inductor_options()["post_grad_custom_pre_pass"]
+    assert chained.passes[0] is user and isinstance(chained.passes[1], fusepass.FusePass)
+    again = fusepass.inductor_options({"post_grad_custom_pre_pass": chained})["post_grad_custom_pre_pass"]
+    assert again.passes[0] is user and len(again.passes) == 2
+    assert chained.uuid() == again.uuid()
+    # A plain function has no uuid: the chain has none either, so Inductor bypasses its cache.
+    assert ChainedPass(lambda g: None, fusepass.FusePass()).uuid() is None
+
+
+def test_uuid_follows_configuration():
+    default, other = fusepass.FusePass(), fusepass.FusePass(fusepass.PassConfig(fp8_direct_max_m=8))
+    assert default.uuid() == fusepass.FusePass().uuid() != other.uuid()
+
+
+def test_backend_passes_mode_and_options_to_inductor(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda gm, ex, config_patches: seen.update(config_patches))
+    fusepass.fusepass_backend(None, [], mode="reduce-overhead", options={"max_autotune": True})
+    assert seen["triton.cudagraphs"] is True and seen["max_autotune"] is True
+    assert isinstance(seen["post_grad_custom_pre_pass"], fusepass.FusePass)
+
+
+def test_backend_found_by_name_after_install():
+    code = textwrap.dedent("""
+        import sys
+        from torch._dynamo.backends.registry import lookup_backend
+        assert "fusepass" not in sys.modules
+        fn = lookup_backend("fusepass")
+        print(fn.__module__ + "." + fn.__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/", check=True)
+    assert out.stdout.strip() == "fusepass.backend.fusepass_backend"
+
+
+_CACHE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch
+    from torch._dynamo.utils import counters
+    import fusepass
+    from tests.models import MLP
+
+    config = fusepass.PassConfig(fp8_direct_max_m=int(sys.argv[1]))
+    model = MLP().eval()
+    x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, options=fusepass.inductor_options(config=config))
+    with torch.no_grad():
+        compiled(x)
+        # The profiler sees which ops the compiled code calls (a dispatch mode would make
+        # Dynamo fall back to eager).
+        with torch.profiler.profile() as prof:
+            compiled(x)
+    ops = {e.key for e in prof.key_averages()}
+    print(json.dumps({
+        "hit": counters["inductor"]["fxgraph_cache_hit"],
+        "miss": counters["inductor"]["fxgraph_cache_miss"],
+        "rewrites": sum(counters["fusepass"].values()),
+        "fused_op_ran": "fusepass::scaled_mm" in ops,
+        "int_mm_ran": "aten::_int_mm" in ops,
+    }))
+""")
+
+
+def test_fx_graph_cache_hits_in_a_new_process_and_misses_on_new_config(tmp_path):
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
+           "PYTHONPATH": REPO}
+
+    def run(max_m):
+        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(max_m)], capture_output=True,
+                             text=True, env=env, cwd=REPO)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second, changed = run(16), run(16), run(8)
+    assert first["miss"] >= 1 and first["hit"] == 0 and first["rewrites"] == 2
+    assert second["hit"] >= 1 and second["miss"] == 0 and second["rewrites"] == 0  # served from cache
+    assert changed["miss"] >= 1 and changed["hit"] == 0 and changed["rewrites"] == 2
+    for r in (first, second, changed):
+        assert r["fused_op_ran"] and not r["int_mm_ran"]
