@@ -14,17 +14,24 @@ def quantize_rows(x, dtype):
 
 
 class W8A8Linear(nn.Module):
-    """Per-token activations x per-channel weights, int8 (``_int_mm``) or fp8 (``_scaled_mm``)."""
+    """Per-token activations x per-channel weights, int8 (``_int_mm``) or fp8 (``_scaled_mm``);
+    ``dtype=None`` is the unquantized float linear, the reference the others approximate."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype=torch.int8):
         super().__init__()
-        wq, ws = quantize_rows(weight, dtype)
         self.dtype = dtype
+        if dtype is None:
+            self.register_buffer("w", weight)
+            self.register_buffer("bias", bias)
+            return
+        wq, ws = quantize_rows(weight, dtype)
         self.register_buffer("wq", wq)  # [N, K]
         self.register_buffer("ws", ws.t().contiguous())  # [1, N]
         self.register_buffer("bias", bias)
 
     def forward(self, x):
+        if self.dtype is None:
+            return torch.nn.functional.linear(x, self.w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         shape = x.shape
         xq, xs = quantize_rows(x.reshape(-1, shape[-1]), self.dtype)
         if self.dtype == torch.int8:

@@ -57,17 +57,16 @@ def check_operands(a: fx.Node, b: fx.Node, dtypes, *, azp: bool = False) -> None
 
 
 def _scales(ins: Inserter, ep: Epilogue, device):
-    """scale_a and scale_b: per-token factors go to scale_a, per-channel ones to scale_b,
-    per-tensor ones to scale_a when it has no per-token factor, else to scale_b."""
+    """scale_a and scale_b: per-token factors go to scale_a, per-channel ones to scale_b;
+    per-tensor ones go to scale_b, except the first when scale_a would otherwise be empty."""
     rows = [ins.fp32(ins.flat(r)) for r in ep.rows]
     cols = [ins.fp32(ins.flat(c)) for c in ep.cols]
-    scalars = [ins.scalar(s) for s in ep.scalars]
-    if rows:
-        sa, sb = ins.product(rows, device), ins.product(cols + scalars, device)
-    else:
-        sa, sb = ins.product(scalars, device), ins.product(cols, device)
+    # Tensors before Python numbers, so a lone number never displaces a tensor scale.
+    scalars = sorted((ins.scalar(s) for s in ep.scalars), key=lambda s: not isinstance(s, fx.Node))
+    a_side = rows or scalars[:1]
+    b_side = cols + (scalars if rows else scalars[1:])
     one = lambda: ins.constant(1.0, device)  # noqa: E731
-    return sa or one(), sb or one()
+    return ins.product(a_side, device) or one(), ins.product(b_side, device) or one()
 
 
 def emit(graph: fx.Graph, cand: Candidate) -> fx.Node:

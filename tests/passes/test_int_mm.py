@@ -52,9 +52,7 @@ return [scaled_mm_default]""")
         ref = acc64(a, w.t()) * 0.5 * s.double() + bs.double()
         self.assertExpectedInline(self.check(f, (a, w.t(), s, bs), ref, "int_mm_scaled"), """\
 full_default: f32[] = aten.full([], 0.5, dtype=f32, device=device(type='cpu'))
-mul_tensor: f32[] = aten.mul.Tensor(s, full_default)
-full_default_1: f32[] = aten.full([], 1.0, dtype=f32, device=device(type='cpu'))
-scaled_mm_default: f16[24, 40] = fusepass.scaled_mm(a, b, mul_tensor, full_default_1, f16, bias)
+scaled_mm_default: f16[24, 40] = fusepass.scaled_mm(a, b, s, full_default, f16, bias)
 return [scaled_mm_default]""")
 
     def test_row1_vector_scales_unsqueezed(self):

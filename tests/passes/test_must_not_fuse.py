@@ -79,6 +79,8 @@ CASES = [
 
 @pytest.mark.parametrize("fn,reason", CASES, ids=[c[0].__name__ for c in CASES])
 def test_left_unchanged(fn, reason):
+    if fn is uint8_without_correction and torch.__version__ < "2.12":
+        pytest.skip("torch._int_mm takes uint8 activations from torch 2.12 on")
     r = run_pass(fn, a, b, sa, sb)
     assert r.counts == {}
     assert r.after == r.before

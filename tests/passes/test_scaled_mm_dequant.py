@@ -36,25 +36,25 @@ mul_tensor_1: f32[40] = aten.mul.Tensor(mul_tensor, one)
 scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, mul_tensor_1, bf16, bias)
 return [scaled_mm_default]""")
 
-    def test_row7_rowwise_scaled_mm_at_decode_size(self):
+    # Row 7 on CPU uses tensor-wise scales: torch 2.11's CPU _scaled_mm has no row-wise
+    # scaling (2.13's has); the rewrite is the same, and the GPU tests cover row-wise.
+    def test_row7_scaled_mm_at_decode_size(self):
         def f(a, b, sa, sb, bias):
             return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
 
         m = 8
-        a, w, sa, sb = f8(m, K), f8(N, K, seed=1), scale(m, 1), scale(1, N, seed=2)
+        a, w, sa, sb = f8(m, K), f8(N, K, seed=1), scale(), scale(seed=2)
         bs = bias(dtype=torch.bfloat16)
         ref = a.double() @ w.double().t() * sa.double() * sb.double() + bs.double()
         self.assertExpectedInline(self.check(f, (a, w.t(), sa, sb, bs), ref, "scaled_mm_fp8_direct"), """\
-reshape_default: f32[8] = aten.reshape(sa, [-1])
-reshape_default_1: f32[40] = aten.reshape(sb, [-1])
-scaled_mm_default: bf16[8, 40] = fusepass.scaled_mm(a, b, reshape_default, reshape_default_1, bf16, bias)
+scaled_mm_default: bf16[8, 40] = fusepass.scaled_mm(a, b, sa, sb, bf16, bias)
 return [scaled_mm_default]""")
 
     def test_row7_kept_above_the_decode_threshold(self):
         def f(a, b, sa, sb):
             return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
 
-        args = (f8(M, K), f8(N, K, seed=1).t(), scale(M, 1), scale(1, N, seed=2))
+        args = (f8(M, K), f8(N, K, seed=1).t(), scale(), scale(seed=2))
         r = run_pass(f, *args)
         self.assertEqual(r.counts, {})
         self.assertEqual(r.after, r.before)
@@ -103,5 +103,5 @@ def test_row7_threshold_is_inclusive(M_):
     def f(a, b, sa, sb):
         return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
 
-    r = run_pass(f, f8(M_, K), f8(N, K, seed=1).t(), scale(M_, 1), scale(1, N, seed=2))
+    r = run_pass(f, f8(M_, K), f8(N, K, seed=1).t(), scale(), scale(seed=2))
     assert r.counts == ({"scaled_mm_fp8_direct": 1} if M_ <= 16 else {})

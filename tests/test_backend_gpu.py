@@ -1,0 +1,104 @@
+"""End to end on a GPU: a small W8A8 model compiled with backend="fusepass"."""
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from tests.models import MLP
+
+pytestmark = pytest.mark.gpu
+
+CASES = {torch.int8: "int_mm_scaled", torch.float8_e4m3fn: "scaled_mm_fp8_epilogue"}
+
+
+def _x(tokens, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, tokens // 2, 64, generator=g).to("cuda", torch.bfloat16)
+
+
+def _check(out, eager, exact):
+    """The numerics policy, model-level: the fused model is no further from the float
+    model than eager (2% slack: eager rounds in bf16 in between, and re-quantizing the
+    hidden activations turns a last-bit difference into a whole int8/fp8 step)."""
+    assert out.shape == eager.shape and out.dtype == eager.dtype
+    err = lambda y: ((y.double() - exact.double()).norm() / exact.double().norm()).item()  # noqa: E731
+    assert err(out) <= 1.02 * err(eager), (err(out), err(eager))
+    assert ((out.double() - eager.double()).norm() / eager.double().norm()).item() < 0.05
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    torch._dynamo.reset()
+    counters["fusepass"].clear()
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        yield
+
+
+@pytest.mark.parametrize("dtype", list(CASES), ids=["int8", "fp8"])
+def test_every_linear_fused_and_matches_eager(dtype):
+    model, exact = MLP(dtype=dtype).cuda().eval(), MLP(dtype=None).cuda().eval()
+    x = _x(64)
+    with torch.no_grad():
+        out = torch.compile(model, backend="fusepass")(x)
+        _check(out, model(x), exact(x.double()))
+    assert counters["fusepass"] == {CASES[dtype]: 2}
+
+
+@pytest.mark.parametrize("dtype", list(CASES), ids=["int8", "fp8"])
+def test_dynamic_m_without_recompiles(dtype):
+    model, exact = MLP(dtype=dtype).cuda().eval(), MLP(dtype=None).cuda().eval()
+    compiled = torch.compile(model, backend="fusepass", dynamic=True)
+    with torch.no_grad():
+        _check(compiled(_x(64)), model(_x(64)), exact(_x(64).double()))
+        with torch.compiler.set_stance("fail_on_recompile"):
+            for tokens in (32, 160, 4096):
+                x = _x(tokens, seed=tokens)
+                _check(compiled(x), model(x), exact(x.double()))
+    assert counters["fusepass"] == {CASES[dtype]: 2}
+
+
+def test_reduce_overhead_cuda_graphs():
+    model, exact = MLP().cuda().eval(), MLP(dtype=None).cuda().eval()
+    compiled = torch.compile(model, backend="fusepass", mode="reduce-overhead")
+    with torch.no_grad():
+        for step in range(3):  # warm-up, record, replay
+            x = _x(64, seed=step)
+            _check(compiled(x).clone(), model(x), exact(x.double()))
+    assert counters["fusepass"] == {"int_mm_scaled": 2}
+
+
+def test_torchao_int8_dynamic_on_gpu():
+    torchao = pytest.importorskip("torchao")
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    import fusepass
+
+    m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.SiLU(), torch.nn.Linear(512, 256)).cuda().bfloat16().eval()
+    exact = copy.deepcopy(m).double()
+    quantize_(m, Int8DynamicActivationInt8WeightConfig())
+    x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16)
+    report = fusepass.explain(m, x)
+    assert len(report.decisions) == 2 and all(d.fused for d in report.decisions), str(report)
+    with torch.no_grad():
+        _check(torch.compile(m, backend="fusepass")(x), m(x), exact(x.double()))
+    print(torchao.__version__, report)
+
+
+def test_rowwise_scaled_mm_at_decode_size():
+    """Row 7 on the GPU: row-wise fp8 _scaled_mm with bias, M <= 16, becomes ours."""
+
+    def f(a, b, sa, sb, bias):
+        return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(8, 4096, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    w = torch.randn(1024, 4096, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(8, 1, device="cuda") / 64, torch.rand(1, 1024, device="cuda") / 64
+    bias = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    out = torch.compile(f, backend="fusepass")(a, w.t(), sa, sb, bias)
+    assert counters["fusepass"] == {"scaled_mm_fp8_direct": 1}
+    exact = (a.double() @ w.double().t()) * sa.double() * sb.double() + bias.double()
+    eager = f(a, w.t(), sa, sb, bias)
+    _check(out, eager, exact)
