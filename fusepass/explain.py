@@ -28,7 +28,7 @@ class Report:
         n, f = len(self.decisions), len(self.fused)
         lines = [f"fusepass: {n} quantized matmul{'s' * (n != 1)}, {f} fused, {n - f} left alone"]
         for d in self.decisions:
-            head = f"  {d.node}: {d.target}({d.shapes})"
+            head = f"  {d.module + ': ' if d.module else ''}{d.target}({d.shapes})"
             verdict = f"fused into {d.op} [{d.pattern}]" if d.fused else f"left alone: {d.reason}"
             lines.append(f"{head}\n      {verdict}")
             if d.location:

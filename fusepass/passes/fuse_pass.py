@@ -11,6 +11,7 @@ steps over no-op casts, clones and views itself.
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class Decision:
     """What the pass did with one quantized matmul (a line of ``fusepass.explain``)."""
 
     node: str  # the matmul node in the graph
+    module: str  # the innermost nn.Module it came from ("" for a function)
     target: str  # e.g. aten._int_mm
     shapes: str  # operand shapes and dtypes
     location: str  # the user's source line, if known
@@ -69,6 +71,15 @@ def _location(node: fx.Node) -> str:
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return f"{Path(path).name}:{rest.split(',')[0]}: {code}"
     return ""
+
+
+def _module(node: fx.Node) -> str:
+    """``layers.0.qkv_proj`` from Dynamo's ``nn_module_stack`` (kept through AOT tracing)."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return ""
+    path = stack[-1][0]
+    return re.sub(r"^L\['self'\]\.?", "", path) or type(stack[-1][1]).__name__
 
 
 def _describe(node: fx.Node) -> str:
@@ -105,7 +116,8 @@ class FusePass(CustomGraphPass):
         return decisions
 
     def _try(self, graph: fx.Graph, node: fx.Node, pattern) -> Decision | None:
-        d = Decision(node.name, str(node.target).replace(".default", ""), _describe(node), _location(node))
+        target = str(node.target).replace(".default", "")
+        d = Decision(node.name, _module(node), target, _describe(node), _location(node))
         try:
             cand = pattern.match(node, self.config)
             if cand is None:
