@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+# The backend object, not its name: the demo also runs from a source tree (no entry point).
+from ..backend import fusepass_backend
 from ..explain import explain
 from ..ops.checks import MIN_FP8_CAPABILITY
 from .model import Shape, build, quantize
@@ -77,7 +79,7 @@ def run(scheme: str, device: torch.device, shape: Shape, tokens: int, decode_bat
 
     with torch.no_grad():
         with step("compiling with backend='fusepass' and running"):
-            fused = torch.compile(qmodel, backend="fusepass")
+            fused = torch.compile(qmodel, backend=fusepass_backend)
             out = fused(x)
         ref_q, ref_bf16 = qmodel(x), model(x)
     exact = copy.deepcopy(model).double()(x.double()) if device.type == "cpu" else None
@@ -99,7 +101,7 @@ def run(scheme: str, device: torch.device, shape: Shape, tokens: int, decode_bat
 def _latency(model, qmodel, x, xd) -> None:
     """Prefill and decode latency of bf16 vs stock-compiled quantized vs fusepass."""
     variants = [("bf16, torch.compile", model, {}), ("W8A8, torch.compile", qmodel, {}),
-                ("W8A8, fusepass", qmodel, {"backend": "fusepass"})]
+                ("W8A8, fusepass", qmodel, {"backend": fusepass_backend})]
     rows = []
     with torch.no_grad():
         for name, m, kw in variants:

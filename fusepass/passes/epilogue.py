@@ -41,6 +41,7 @@ class Epilogue:
     azp: fx.Node | None = None
     chain: list = field(default_factory=list)  # nodes consumed after the matmul, in order
     view: fx.Node | None = None  # the last view consumed: the output takes its shape
+    arithmetic: bool = False  # the chain holds a cast, multiply, zero point or bias (not only views)
 
     @property
     def scaled(self) -> bool:
@@ -194,4 +195,5 @@ def walk(anchor: fx.Node, ep: Epilogue | None = None, *, allow_azp: bool = False
             return ep
         apply()
         cur = users[0]
+        ep.arithmetic |= not is_call(cur, aten.clone.default, *VIEW_OPS)
         ep.chain.append(cur)

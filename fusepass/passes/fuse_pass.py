@@ -78,8 +78,8 @@ def _module(node: fx.Node) -> str:
     stack = list((node.meta.get("nn_module_stack") or {}).values())
     if not stack:
         return ""
-    path = stack[-1][0]
-    return re.sub(r"^L\['self'\]\.?", "", path) or type(stack[-1][1]).__name__
+    path, cls = stack[-1]
+    return re.sub(r"^L\['self'\]\.?", "", path) or getattr(cls, "__name__", str(cls))
 
 
 def _describe(node: fx.Node) -> str:

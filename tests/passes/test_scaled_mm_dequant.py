@@ -62,6 +62,15 @@ return [scaled_mm_default]""")
         r = run_pass(f, *args, config=PassConfig(fp8_direct_max_m=32))
         self.assertEqual(r.counts, {"scaled_mm_fp8_direct": 1})
 
+    def test_row7_views_alone_are_no_epilogue(self):
+        def f(x, b, sa, sb):  # 3-D activations: only reshapes around the matmul
+            y = torch._scaled_mm(x.reshape(-1, K), b, sa, sb, out_dtype=torch.bfloat16)
+            return y.reshape(2, M // 2, N)
+
+        r = run_pass(f, f8(2, M // 2, K), f8(N, K, seed=1).t(), scale(), scale(seed=2))
+        self.assertEqual((r.counts, r.after), ({}, r.before))
+        self.assertIn("kept, cuBLAS is the faster choice", r.decisions[0].reason)
+
     def test_row8_linear_of_dequantized_tensors(self):
         def f(xq, sx, wq, sw, bias):
             return F.linear(xq.float() * sx, wq.float() * sw, bias)

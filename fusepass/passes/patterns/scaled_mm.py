@@ -5,7 +5,8 @@ unit scales and fp32 out) followed by a dequantization epilogue (scale multiplie
 casts, views; see ``epilogue.walk``). Its own scales and bias join the epilogue.
 Becomes ``fusepass.scaled_mm`` with every factor folded into scale_a / scale_b.
 
-Row 7: ``torch._scaled_mm`` with row-wise or tensor-wise scales and nothing after it.
+Row 7: ``torch._scaled_mm`` with row-wise or tensor-wise scales and nothing after it
+(views aside).
 Becomes ``fusepass.scaled_mm`` only where that is faster: the token count M is static
 and at most ``PassConfig.fp8_direct_max_m`` (decode sizes); otherwise cuBLAS stays.
 
@@ -42,7 +43,7 @@ def match(node, config) -> Candidate:
         ep.add_factor(args[name], axis)
     ep.bias = args.get("bias")
     ep = walk(node, ep)
-    if ep.chain:
+    if ep.arithmetic:  # views alone are no epilogue: those follow row 7's rule
         return Candidate("scaled_mm_fp8_epilogue", node, a, b, ep)
     M = shape[0]
     if not is_concrete_int(M) or int(M) > config.fp8_direct_max_m:

@@ -1,0 +1,333 @@
+"""The kernel benchmark of BENCHMARKS.md: fusepass vs every PyTorch path, on one GPU.
+
+    python benchmarks/bench_linear.py                      # all 8 shapes, all M
+    python benchmarks/bench_linear.py --shapes 8b --ms 1,16,4096
+    python benchmarks/bench_linear.py --plot results/X.json   # redraw a plot only
+
+Protocol: each implementation is captured in a CUDA graph of R calls over R rotating
+copies of its inputs (together > 3x L2, so every call reads cold weights), the graph is
+replayed >= 20 times and the median per call is reported, with its ratio to the floor
+(bytes over the measured copy bandwidth, or 2MNK over the measured dense peak).
+Writes benchmarks/results/<gpu>-<date>.json and .png and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fusepass  # noqa: E402
+
+SHAPES = {
+    "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
+    "70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
+}
+MS = [1, 16, 64, 256, 1024, 4096, 16384]
+REPLAYS = 25
+
+
+def graph_time_us(make_call, n_copies: int) -> float:
+    """Median us per call of a CUDA graph of ``n_copies`` calls (call i uses copy i)."""
+    calls = [make_call(i) for i in range(n_copies)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:  # warm-up: compile, autotune, allocate
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / n_copies)
+    del g
+    return statistics.median(times)
+
+
+def ceilings() -> dict:
+    """Measured copy bandwidth (read + write bytes) and dense peaks (8192^3)."""
+    # The best of a few copies (read + write bytes): a 1 GiB uint8 copy_ alone measured
+    # 2.7 TB/s on an H200 where larger float copies reach more.
+    copy_tbps = 0.0
+    for dtype, n in ((torch.uint8, 2**30), (torch.float32, 2**29), (torch.float32, 2**30)):
+        x = torch.randn(n, device="cuda").to(dtype)
+        y = torch.empty_like(x)
+        copy_tbps = max(copy_tbps, 2 * x.nbytes / graph_time_us(lambda i: (lambda: y.copy_(x)), 1) / 1e6)
+        del x, y
+    n = 8192
+    a8 = torch.randint(-128, 127, (n, n), dtype=torch.int8, device="cuda")
+    b8 = torch.randint(-128, 127, (n, n), dtype=torch.int8, device="cuda").t()
+    f8a, f8b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn), torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    bfa, bfb = torch.randn(n, n, device="cuda", dtype=torch.bfloat16), torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    flops = 2 * n**3
+    return {
+        "copy_TBps": copy_tbps,
+        "int8_TOPS": flops / graph_time_us(lambda i: (lambda: torch._int_mm(a8, b8)), 1) / 1e6,
+        "fp8_TFLOPS": flops / graph_time_us(lambda i: (lambda: torch._scaled_mm(f8a, f8b, one, one, out_dtype=torch.bfloat16)), 1) / 1e6,
+        "bf16_TFLOPS": flops / graph_time_us(lambda i: (lambda: bfa @ bfb), 1) / 1e6,
+    }
+
+
+def _epilogue(a, b, sa, sb, bias):
+    return (torch._int_mm(a, b).float() * sa * sb + bias).to(torch.bfloat16)
+
+
+def _azp_epilogue(a, b, sa, sb, azp, adj, bias):
+    return ((torch._int_mm(a, b) - azp * adj).float() * sa * sb + bias).to(torch.bfloat16)
+
+
+_compiled = {}
+
+
+def implementations(M: int):
+    """name -> (input kind, fn(inputs) -> output); None where PyTorch has no path."""
+    big_m = M > 16  # torch._int_mm needs M > 16 on CUDA
+    if "int8_compile" not in _compiled:
+        _compiled["int8_compile"] = torch.compile(_epilogue, dynamic=True)
+    impls = {
+        "bf16 F.linear": ("bf16", lambda t: torch.nn.functional.linear(t["x"], t["w"], t["bias"])),
+        "fp8 torch._scaled_mm": ("fp8", lambda t: torch._scaled_mm(t["a"], t["b"], t["sa"], t["sb"], bias=t["bias"], out_dtype=torch.bfloat16)),
+        "int8 torch._int_mm alone": ("int8", lambda t: torch._int_mm(t["a"], t["b"])) if big_m else None,
+        "int8 torch.compile": ("int8", lambda t: _compiled["int8_compile"](t["a"], t["b"], t["sa"], t["sb"], t["bias"])) if big_m else None,
+        "int8 eager": ("int8", lambda t: _epilogue(t["a"], t["b"], t["sa"], t["sb"], t["bias"])) if big_m else None,
+        "int8 azp per-token eager": ("int8", lambda t: _azp_epilogue(t["a"], t["b"], t["sa"], t["sb"], t["azp2"], t["adj2"], t["bias"])) if big_m else None,
+        "fusepass int8": ("int8", lambda t: fusepass.scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"])),
+        "fusepass fp8": ("fp8", lambda t: fusepass.scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"])),
+        "fusepass int8 azp per-token": ("int8", lambda t: fusepass.scaled_mm_azp(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["adj"], t["azp"], t["bias"])),
+        "fusepass int8 azp per-tensor": ("int8", lambda t: fusepass.scaled_mm_azp(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["adj_t"], None, t["bias"])),
+    }
+    return {k: v for k, v in impls.items() if v is not None}
+
+
+def make_inputs(kind: str, M: int, N: int, K: int, g: torch.Generator) -> dict:
+    dev = "cuda"
+    bias = torch.randn(N, device=dev, generator=g).to(torch.bfloat16)
+    if kind == "bf16":
+        return {"x": torch.randn(M, K, device=dev, generator=g).to(torch.bfloat16),
+                "w": torch.randn(N, K, device=dev, generator=g).to(torch.bfloat16), "bias": bias}
+    if kind == "fp8":
+        a = torch.randn(M, K, device=dev, generator=g).to(torch.float8_e4m3fn)
+        w = torch.randn(N, K, device=dev, generator=g).to(torch.float8_e4m3fn)
+    else:
+        a = torch.randint(-128, 127, (M, K), device=dev, generator=g, dtype=torch.int8)
+        w = torch.randint(-128, 127, (N, K), device=dev, generator=g, dtype=torch.int8)
+    t = {"a": a, "b": w.t(), "sa": torch.rand(M, 1, device=dev, generator=g) / 100,
+         "sb": torch.rand(1, N, device=dev, generator=g) / 100, "bias": bias}
+    if kind == "int8":
+        colsum = w.sum(1, dtype=torch.int32)
+        t["azp"] = torch.randint(-8, 8, (M,), device=dev, generator=g, dtype=torch.int32)
+        t.update(adj=colsum, adj_t=3 * colsum, azp2=t["azp"][:, None], adj2=colsum[None, :])
+    return t
+
+
+def floor_us(kind: str, M: int, N: int, K: int, ceil: dict) -> float:
+    elt = 2 if kind == "bf16" else 1
+    nbytes = elt * (M * K + K * N) + 4 * (M + N) + 2 * N + 2 * M * N
+    mem = nbytes / (ceil["copy_TBps"] * 1e6)
+    peak = {"bf16": ceil["bf16_TFLOPS"], "fp8": ceil["fp8_TFLOPS"], "int8": ceil["int8_TOPS"]}[kind]
+    return max(mem, 2 * M * N * K / (peak * 1e6))
+
+
+def bench_point(M, N, K, ceil, l2_bytes, log):
+    g = torch.Generator(device="cuda").manual_seed(M * 7 + N + K)
+    row = {"M": M, "N": N, "K": K, "us": {}, "floor_us": {}}
+    for name, (kind, fn) in implementations(M).items():
+        per_call = (2 if kind == "bf16" else 1) * (M * K + N * K)
+        copies = max(1, min(64, math.ceil(3 * l2_bytes / per_call)))
+        sets = [make_inputs(kind, M, N, K, g) for _ in range(copies)]
+        try:
+            row["us"][name] = graph_time_us(lambda i: (lambda t=sets[i]: fn(t)), copies)
+        except Exception as e:  # reported, not fatal: the table says which path failed
+            row["us"][name] = None
+            log(f"  {name} at M={M} N={N} K={K} failed: {str(e).splitlines()[0][:100]}")
+        row["floor_us"][kind] = floor_us(kind, M, N, K, ceil)
+        del sets
+        torch.cuda.empty_cache()
+    return row
+
+
+def host_overhead_us(n=2000) -> float:
+    """Host time of one fusepass.scaled_mm call (checks + dispatch + launch), small shape."""
+    t = make_inputs("int8", 16, 256, 256, torch.Generator(device="cuda").manual_seed(0))
+    call = lambda: fusepass.scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"])  # noqa: E731
+    for _ in range(50):
+        call()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    dt = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    return dt * 1e6
+
+
+def max_autotune_points(points, log):
+    """Inductor max-autotune for _int_mm + epilogue at two shapes, with its compile time."""
+    out = []
+    for M, N, K in points:
+        torch._dynamo.reset()
+        t = make_inputs("int8", M, N, K, torch.Generator(device="cuda").manual_seed(1))
+        fn = torch.compile(_epilogue, mode="max-autotune-no-cudagraphs")
+        t0 = time.perf_counter()
+        fn(t["a"], t["b"], t["sa"], t["sb"], t["bias"])
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        us = graph_time_us(lambda i: (lambda: fn(t["a"], t["b"], t["sa"], t["sb"], t["bias"])), 1)
+        log(f"  max-autotune M={M} N={N} K={K}: {us:.1f} us, compile {compile_s:.0f} s")
+        out.append({"M": M, "N": N, "K": K, "us": us, "compile_s": compile_s})
+    return out
+
+
+def print_table(rows, log):
+    names = list(dict.fromkeys(n for r in rows for n in r["us"]))
+    log("| M | N | K | " + " | ".join(names) + " |")
+    log("|---" * (3 + len(names)) + "|")
+    for r in rows:
+        cells = ["-" if r["us"].get(n) is None else f"{r['us'][n]:.1f}" for n in names]
+        log(f"| {r['M']} | {r['N']} | {r['K']} | " + " | ".join(cells) + " |")
+
+
+def _geomean(xs):
+    xs = [x for x in xs if x]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def summarize(result: dict) -> list[str]:
+    """Issue 5's targets, read off a result (ratios > 1: fusepass faster)."""
+    rows, bw = result["rows"], result["ceilings"]["copy_TBps"]
+    out = []
+
+    def ratios(mine, base, ms):
+        return [r["us"][base] / r["us"][mine] for r in rows if r["M"] in ms and r["us"].get(mine) and r["us"].get(base)]
+
+    def weight_tbps(name, ms):  # weight bytes over time: decode is bound by reading the weight
+        return [r["N"] * r["K"] / r["us"][name] / 1e6 for r in rows if r["M"] in ms and r["us"].get(name)]
+
+    big = (64, 256, 1024, 4096, 16384)
+    x = ratios("fusepass int8", "int8 torch.compile", big)
+    if x:
+        tops = [2 * r["M"] * r["N"] * r["K"] / r["us"]["fusepass int8"] / 1e6 for r in rows if r["M"] >= 4096]
+        out.append(f"int8, M>=64: geomean {_geomean(x):.2f}x torch.compile (target 1.35x), min {min(x):.2f}x (target 1.0x); "
+                   f"M>=4096: {min(tops):.0f}-{max(tops):.0f} TOPS (target 1000)")
+    for ms in ((1,), (16,)):
+        w = weight_tbps("fusepass int8", ms)
+        x = ratios("fusepass int8", "bf16 F.linear", ms)
+        if w:
+            out.append(f"int8, M={ms[0]}: weight read {min(w):.2f}-{max(w):.2f} TB/s = {min(w) / bw:.0%}-{max(w) / bw:.0%} "
+                       f"of copy bandwidth {bw:.2f} (target 75%); {min(x):.2f}-{max(x):.2f}x bf16 F.linear (target 1.8x)")
+        w = weight_tbps("fusepass fp8", ms)
+        x = ratios("fusepass fp8", "fp8 torch._scaled_mm", ms)
+        if w:
+            out.append(f"fp8, M={ms[0]}: {min(x):.2f}-{max(x):.2f}x torch._scaled_mm (target 1.5x); weight read "
+                       f"{min(w) / bw:.0%}-{max(w) / bw:.0%} of copy bandwidth (target 75%)")
+    x = ratios("fusepass fp8", "fp8 torch._scaled_mm", big)
+    if x:
+        out.append(f"fp8, M>=64: geomean {_geomean(x):.2f}x torch._scaled_mm (target 1.05x), min {min(x):.2f}x (target 0.9x)")
+    for azp in ("per-token", "per-tensor"):
+        x = [r["us"][f"fusepass int8 azp {azp}"] / r["us"]["fusepass int8"] for r in rows
+             if r["us"].get(f"fusepass int8 azp {azp}") and r["us"].get("fusepass int8")]
+        if x:
+            out.append(f"int8 azp {azp}: {_geomean(x):.3f}x (max {max(x):.3f}x) the time of symmetric (target <= 1.05x)")
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys((r["N"], r["K"]) for r in result["rows"]))
+    cols = 4
+    fig, axes = plt.subplots(math.ceil(len(shapes) / cols), cols, figsize=(5 * cols, 4 * math.ceil(len(shapes) / cols)), squeeze=False)
+    for ax, (N, K) in zip(axes.flat, shapes):
+        rows = [r for r in result["rows"] if (r["N"], r["K"]) == (N, K)]
+        names = list(dict.fromkeys(n for r in rows for n in r["us"]))
+        for name in names:
+            pts = [(r["M"], 2 * r["M"] * N * K / r["us"][name] / 1e6) for r in rows if r["us"].get(name)]
+            if pts:
+                style = "-o" if name.startswith("fusepass") else "--."
+                ax.plot(*zip(*pts), style, label=name, linewidth=2 if name.startswith("fusepass") else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"N={N}, K={K}")
+        ax.set_xlabel("M (tokens)")
+        ax.set_ylabel("TFLOPS (TOPS for int8)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle(f"{result['gpu']}, {result['date']}: CUDA graphs, cold L2, median of {REPLAYS} replays")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="8b,70b", help="comma list of 8b / 70b")
+    p.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of M")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    p.add_argument("--max-autotune", action="store_true", help="also time Inductor max-autotune at two shapes")
+    p.add_argument("--plot", metavar="JSON", help="only redraw the plot of an earlier result and summarize it")
+    args = p.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            result = json.load(f)
+        plot(result, args.plot.replace(".json", ".png"))
+        print("\n".join(summarize(result)))
+        return 0
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    try:
+        shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
+        ms = [int(m) for m in args.ms.split(",")]
+    except (KeyError, ValueError) as e:
+        p.error(f"bad --shapes/--ms: {e}")
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    gpu = torch.cuda.get_device_name()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    log(f"{gpu}, torch {torch.__version__}; measuring ceilings ...")
+    ceil = ceilings()
+    log("  " + ", ".join(f"{k} {v:.0f}" if v > 10 else f"{k} {v:.2f}" for k, v in ceil.items()))
+    rows = []
+    for i, (N, K) in enumerate(shapes):
+        for M in ms:
+            t0 = time.perf_counter()
+            rows.append(bench_point(M, N, K, ceil, l2, log))
+            log(f"[{len(rows)}/{len(shapes) * len(ms)}] M={M} N={N} K={K} ({time.perf_counter() - t0:.1f} s)")
+    result = {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+              "ceilings": ceil, "host_us_per_call": host_overhead_us(), "rows": rows}
+    if args.max_autotune:
+        result["max_autotune"] = max_autotune_points([(4096, 4096, 4096), (64, 28672, 4096)], log)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{gpu.replace(' ', '_')}-{result['date']}-{args.shapes.replace(',', '_')}")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, stem + ".png")
+    log(f"host overhead of one fusepass.scaled_mm call: {result['host_us_per_call']:.1f} us")
+    print_table(rows, log)
+    log("\n".join(summarize(result)))
+    log(f"wrote {stem}.json and .png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
