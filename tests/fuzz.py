@@ -1,0 +1,237 @@
+"""Differential fuzzer for the fusion pass.
+
+Draws random quantized-epilogue programs (int8 ``_int_mm`` / fp8 ``_scaled_mm`` /
+dequantize-then-``linear``; scale granularity, order and pre-multiplication; per-tensor /
+per-token zero points; bias dtype; casts at random points; 2-D / 3-D activations; extra
+users of intermediates; a non-fusable op in the chain; dynamic M), compiles each, and
+checks: no crash; the output within one rounding of the float64 oracle (DESIGN.md's
+numerics policy: the fused op rounds once, from fp32); and every program built to be
+fusable did fuse, every one built not to be did not.
+
+    python -m tests.fuzz --programs 500                 # the long run (pass on the traced graph)
+    python -m tests.fuzz --programs 50 --backend fusepass --device cuda   # through Inductor
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch._dynamo.utils import counters
+
+from tests.helpers import FP8_MMA_REL, HALF_ULP
+from tests.passes.harness import run_pass
+
+OUT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class Program:
+    seed: int
+    kind: str  # int_mm | scaled_mm | dequant
+    fusable: bool
+    dynamic: bool
+    desc: list = field(default_factory=list)
+    fn: object = None
+    inputs: tuple = ()
+    more_inputs: tuple = ()  # a second M, for dynamic programs
+    oracle: object = None  # inputs -> (float64 value, magnitude bound)
+
+
+def _draw(seed: int, device: str) -> Program:
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    kind = rnd.choice(["int_mm", "int_mm", "scaled_mm", "dequant"])
+    three_d, view_early = rnd.random() < 0.3, rnd.random() < 0.5
+    dynamic = rnd.random() < 0.3
+    N, K = rnd.choice([16, 24, 40, 64]), rnd.choice([32, 48, 64, 96])
+    qdtype = torch.int8 if kind == "int_mm" or (kind == "dequant" and rnd.random() < 0.5) else torch.float8_e4m3fn
+    azp = rnd.choice([None, None, "tensor", "token"]) if kind == "int_mm" else None
+    azp_dtype = rnd.choice([torch.int32, torch.float32])
+    sa_form = rnd.choice(["number", "0d", "1", "11", "M1", "M"])
+    sb_form = rnd.choice(["number", "0d", "1N", "N"])
+    premultiply = kind != "dequant" and not (three_d and view_early) and rnd.random() < 0.3
+    bias_dtype = rnd.choice([None, torch.float32, torch.bfloat16])
+    out_dtype = rnd.choice(OUT)
+    casts = {pos: rnd.choice(OUT) for pos in ("acc", "mid", "pre_bias") if rnd.random() < 0.35}
+    extra_user = rnd.random() < 0.12  # a second user of the accumulator: must not fuse
+    blocker = kind == "int_mm" and rnd.random() < 0.12  # cumsum before the scaling: must not fuse
+    sb_first = rnd.random() < 0.5
+    w = _q((N, K), qdtype, g).to(device)
+    sb_full = (torch.rand(N, generator=g) * 0.01 + 1e-3).to(device)
+    sb_num = rnd.uniform(1e-3, 1e-2)
+    bias = None if bias_dtype is None else torch.randn(N, generator=g).to(bias_dtype).to(device)
+    colsum = w.to(torch.int32).sum(1, dtype=torch.int32)
+    z = rnd.randint(-20, 20)
+
+    def inputs_for(M, s):
+        gg = torch.Generator().manual_seed(s)
+        a = _q((M, K), qdtype, gg).to(device)
+        sa = (torch.rand(M, 1, generator=gg) * 0.01 + 1e-3).to(device)
+        azp_v = torch.randint(-20, 20, (M, 1), generator=gg, dtype=torch.int32).to(device)
+        return (a.reshape(2, M // 2, K) if three_d else a, sa, azp_v)
+
+    def sa_of(sa):
+        return {"number": 0.004, "0d": sa[0, 0], "1": sa[0], "11": sa[:1, :1], "M1": sa, "M": sa[:, 0].unsqueeze(1)}[sa_form]
+
+    def sb_of():
+        return {"number": sb_num, "0d": sb_full[0], "1N": sb_full[None, :], "N": sb_full}[sb_form]
+
+    def fn(x, sa, azp_v):
+        a = x.reshape(-1, K)
+        s_a, s_b = sa_of(sa), sb_of()
+        extra = None
+        if kind == "int_mm":
+            y = torch._int_mm(a, w.t())
+            extra = y if extra_user else None
+            if azp == "tensor":
+                y = y - (z * colsum).to(azp_dtype)
+            elif azp == "token":
+                y = y - azp_v.to(azp_dtype) * colsum.to(azp_dtype)[None, :]
+        elif kind == "scaled_mm":
+            one = torch.ones((), device=a.device)
+            y = torch._scaled_mm(a, w.t(), one, one, out_dtype=torch.float32)
+            extra = y if extra_user else None
+        else:
+            w_scale = s_b.reshape(-1, 1) if isinstance(s_b, torch.Tensor) and s_b.numel() > 1 else s_b
+            y = torch.nn.functional.linear(a.float() * s_a, w.float() * w_scale)
+            extra = y if extra_user else None
+            s_a, s_b = 1.0, 1.0  # the scales went into the dequantization
+        if blocker:
+            y = y.float().cumsum(1)
+        y = y.to(casts.get("acc", torch.float32))
+        lead = x.shape[:-1]  # reshape back as users do, with the input's own sizes
+        if three_d and view_early:
+            y = y.reshape(*lead, N)
+        steps = [s_a * s_b] if premultiply else [s_b, s_a] if sb_first else [s_a, s_b]
+        for s in steps:
+            if y.dim() == 3 and isinstance(s, torch.Tensor) and s.dim() == 2 and s.shape[0] > 1:
+                s = s.reshape(*lead, s.shape[-1])
+            y = y * s
+            y = y.to(casts.get("mid", y.dtype))
+        y = y.to(casts.get("pre_bias", y.dtype))
+        if bias is not None:
+            y = y + bias
+        y = y.to(out_dtype)
+        if three_d:
+            y = y.reshape(*lead, N)
+        return y if extra is None else (y, extra.float().sum())
+
+    def oracle(x, sa, azp_v):
+        a = x.reshape(-1, K).double()
+        acc, mag = a @ w.double().t(), a.abs() @ w.double().abs().t()
+        if azp == "tensor":
+            acc, mag = acc - z * colsum.double(), mag + (z * colsum.double()).abs()
+        elif azp == "token":
+            adj = azp_v.double() * colsum.double()[None, :]
+            acc, mag = acc - adj, mag + adj.abs()
+        s = _vec(sa_of(sa)).reshape(-1, 1) * _vec(sb_of()).reshape(1, -1)
+        acc, mag = acc * s, mag * s.abs()
+        if bias is not None:
+            acc, mag = acc + bias.double(), mag + bias.double().abs()
+        return acc, mag
+
+    # M never equals N or K: Dynamo's duck sizing would tie them and recompile on a new M.
+    M1, M2 = rnd.choice([20, 28] if device == "cuda" else [8, 12, 20]), rnd.choice([44, 52])
+    p = Program(seed, kind, not (extra_user or blocker), dynamic, fn=fn, oracle=oracle,
+                inputs=inputs_for(M1, seed), more_inputs=inputs_for(M2, seed + 1))
+    p.out_dtype, p.qdtype = out_dtype, qdtype
+    p.desc = [kind, str(qdtype)[6:], f"sa={sa_form}", f"sb={sb_form}", f"premultiplied={premultiply}",
+              f"azp={azp}:{str(azp_dtype)[6:]}" if azp else "azp=None", f"bias={str(bias_dtype)[6:]}",
+              f"out={str(out_dtype)[6:]}", "casts=" + ",".join(f"{k}:{str(v)[6:]}" for k, v in casts.items()),
+              f"3d={three_d}/{'early' if view_early else 'late'}", f"extra_user={extra_user}", f"blocker={blocker}",
+              f"dynamic={dynamic}", f"sb_first={sb_first}"]
+    return p
+
+
+def _q(shape, dtype, g):
+    if dtype == torch.int8:
+        return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+    return (torch.randn(shape, generator=g) * 2).to(dtype)
+
+
+def _vec(s) -> torch.Tensor:
+    """A scale (tensor or number) as float64, flattened."""
+    return s.double().reshape(-1) if isinstance(s, torch.Tensor) else torch.tensor([float(s)], dtype=torch.float64)
+
+
+def check(p: Program, backend: str) -> str | None:
+    """Run one program; None when it behaved, else what went wrong."""
+    eager = p.fn(*p.inputs)
+    counters["fusepass"].clear()
+    more = [p.more_inputs] if p.dynamic else None
+    if backend == "capture":
+        r = run_pass(p.fn, *p.inputs, dynamic=p.dynamic or None, calls=more)
+        out, fused, compiles = r.out, sum(r.counts.values()), r.compiles
+    else:
+        torch._dynamo.reset()
+        compiled = torch.compile(p.fn, backend="fusepass", dynamic=p.dynamic or None)
+        out = compiled(*p.inputs)
+        problem = _compare(p, compiled(*more[0]), more[0]) if more else None
+        if problem:
+            return f"second M: {problem}"
+        fused, compiles = sum(counters["fusepass"].values()), 1
+    if p.fusable != (fused > 0):
+        return f"built {'fusable' if p.fusable else 'not fusable'}, but {fused} rewrites"
+    if p.dynamic and compiles != 1:
+        return f"dynamic M recompiled ({compiles} graphs)"
+    if isinstance(eager, tuple):  # the accumulator's other user still sees the same value
+        torch.testing.assert_close(out[1], eager[1], rtol=1e-5, atol=1e-3)
+        out = out[0]
+    return _compare(p, out, p.inputs)
+
+
+def _compare(p: Program, out, inputs) -> str | None:
+    """Fused programs: within one rounding of the float64 oracle. Others keep eager's
+    semantics (their intermediate roundings), checked by the caller against eager."""
+    if isinstance(out, tuple):
+        out = out[0]
+    if not torch.isfinite(out).all() and p.fusable:
+        return "non-finite output"
+    if not p.fusable:
+        eager = p.fn(*inputs)
+        eager = eager[0] if isinstance(eager, tuple) else eager
+        return None if torch.equal(out.isnan(), eager.isnan()) and torch.allclose(out.double(), eager.double(), rtol=1e-2, atol=1e-2, equal_nan=True) else "unfused output differs from eager"
+    ref, mag = p.oracle(*inputs)
+    ref, mag = ref.reshape(out.shape), mag.reshape(out.shape)
+    K = inputs[0].shape[-1]
+    acc_err = 8 * 2.0**-24 if p.qdtype == torch.int8 else max((K + 8) * 2.0**-24, FP8_MMA_REL if out.is_cuda else 0)
+    bound = HALF_ULP[p.out_dtype] * 1.001 * ref.abs() + acc_err * mag + 2.0**-24
+    err = (out.double() - ref).abs()
+    if (err > bound).any():
+        return f"output off: {int((err > bound).sum())} elements, worst {float((err - bound).max()):.3g} over the bound"
+    return None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--programs", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--backend", default="capture", choices=["capture", "fusepass"],
+                    help="capture: the pass on the graph Inductor would see (fast); fusepass: full Inductor")
+    args = ap.parse_args(argv)
+    bad, fused_n, t0 = [], 0, time.time()
+    for i in range(args.programs):
+        p = _draw(args.seed + i, args.device)
+        try:
+            problem = check(p, args.backend)
+        except Exception as e:  # a crash is a finding too
+            problem = f"crashed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        fused_n += p.fusable
+        if problem:
+            bad.append((p.seed, problem, p.desc))
+            print(f"seed {p.seed}: {problem}\n    {' '.join(p.desc)}", flush=True)
+        if (i + 1) % 50 == 0:
+            print(f"[{i + 1}/{args.programs}] {len(bad)} failing, {time.time() - t0:.0f} s", flush=True)
+    print(f"{args.programs - len(bad)} passed, {len(bad)} failed ({fused_n} built fusable; {args.backend} backend on {args.device}; "
+          f"{time.time() - t0:.0f} s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

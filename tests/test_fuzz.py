@@ -1,0 +1,22 @@
+"""A fixed-seed subset of the differential fuzzer (``python -m tests.fuzz`` runs more)."""
+
+import pytest
+import torch
+
+from tests.fuzz import _draw, check
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fuzz_pass(seed):
+    p = _draw(seed, DEVICE)
+    assert check(p, "capture") is None, " ".join(p.desc)
+
+
+@pytest.mark.parametrize("seed", [3, 7, 11])  # int8, fp8 _scaled_mm and dequant programs, through Inductor
+def test_fuzz_backend(seed):
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        p = _draw(seed, DEVICE)
+        assert check(p, "fusepass") is None, " ".join(p.desc)
