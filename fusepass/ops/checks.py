@@ -20,7 +20,8 @@ AZP_DTYPES = (torch.int32, torch.float32)
 MAX_K_INT8 = (2**31 - 1) // (128 * 128)
 MAX_K_INT8_AZP = (2**31 - 1) // (255 * 128)
 
-# fp8 e4m3 matmuls need Ada (sm_89) or Hopper (sm_90) tensor cores.
+# The kernels use Ampere's int8 tensor cores (and bf16); fp8 e4m3 needs Ada (sm_89) or Hopper.
+MIN_CAPABILITY = (8, 0)
 MIN_FP8_CAPABILITY = (8, 9)
 
 
@@ -60,15 +61,16 @@ def _check_scale(op: str, name: str, t, length, axis: int, what: str) -> None:
         )
 
 
-def check_fp8_device(op: str, device: torch.device) -> None:
-    """fp8 needs tensor cores that have it; say so instead of failing inside Triton."""
-    if device.type != "cuda":
+def check_gpu(op: str, device: torch.device, dtype: torch.dtype) -> None:
+    """The GPU must have the tensor cores the kernel uses; say so instead of failing in Triton."""
+    if device.type != "cuda" or not torch.cuda.is_available():  # fake CUDA tensors on a CPU host
         return
-    cap = torch.cuda.get_device_capability(device)
-    if tuple(cap) < MIN_FP8_CAPABILITY:
+    cap = tuple(torch.cuda.get_device_capability(device))
+    need, what = (MIN_FP8_CAPABILITY, "float8_e4m3fn inputs") if dtype != torch.int8 else (MIN_CAPABILITY, "int8 inputs")
+    if cap < need:
         raise ValueError(
-            f"{op}: float8_e4m3fn inputs need a GPU with compute capability >= "
-            f"{MIN_FP8_CAPABILITY[0]}.{MIN_FP8_CAPABILITY[1]}; {device} has {cap[0]}.{cap[1]}"
+            f"{op}: {what} need a GPU with compute capability >= {need[0]}.{need[1]}; "
+            f"{device} has {cap[0]}.{cap[1]}"
         )
 
 
@@ -140,5 +142,4 @@ def check_scaled_mm_args(
                 f"{op}: K = {K} is too large for exact int32 accumulation of int8 products "
                 f"(at most {max_k}); split K and add the partial results"
             )
-    else:
-        check_fp8_device(op, a.device)
+    check_gpu(op, a.device, a.dtype)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .graph import FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, is_call, peel_expand, same, tensor_val
+from .graph import FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, is_call, peel_expand, same, tensor_val, users
 
 AZP_DTYPES = (torch.int32, torch.float32)
 
@@ -184,16 +184,16 @@ def walk(anchor: fx.Node, ep: Epilogue | None = None, *, allow_azp: bool = False
     walker = _Walker(anchor, ep, allow_azp)
     cur = anchor
     while True:
-        users = list(cur.users)
-        if len(users) != 1:
-            if any(_continues(walker, cur, u) for u in users):
+        found = users(cur)
+        if len(found) != 1:
+            if any(_continues(walker, cur, u) for u in found):
                 what = "the accumulator" if cur is anchor else f"mid-chain value {cur}"
-                raise Rejected(f"{what} has {len(users)} users; the fused epilogue needs it alone")
+                raise Rejected(f"{what} has {len(found)} users; the fused epilogue needs it alone")
             return ep
-        apply = walker.step(cur, users[0])
+        apply = walker.step(cur, found[0])
         if apply is None:
             return ep
         apply()
-        cur = users[0]
+        cur = found[0]
         ep.arithmetic |= not is_call(cur, aten.clone.default, *VIEW_OPS)
         ep.chain.append(cur)

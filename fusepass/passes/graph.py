@@ -66,9 +66,19 @@ def peel_expand(arg):
     return arg
 
 
+# Metadata asserts torch.export leaves on intermediates; Inductor removes them only after
+# this pass (remove_assert_ops), so they are not users of a value.
+ASSERT_OPS = (aten._assert_tensor_metadata.default,)
+
+
+def users(node: fx.Node) -> list:
+    """The users of ``node`` that consume its value (metadata asserts left out)."""
+    return [u for u in node.users if not is_call(u, *ASSERT_OPS)]
+
+
 def single_user(node: fx.Node) -> fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
+    found = users(node)
+    return found[0] if len(found) == 1 else None
 
 
 class Axis(enum.Enum):

@@ -8,9 +8,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..ops.checks import MAX_K_INT8, MAX_K_INT8_AZP, MIN_FP8_CAPABILITY, OUT_DTYPES
+from ..ops.checks import MAX_K_INT8, MAX_K_INT8_AZP, MIN_CAPABILITY, MIN_FP8_CAPABILITY, OUT_DTYPES
 from .epilogue import Epilogue
-from .graph import Inserter, Rejected, aten, tensor_val
+from .graph import ASSERT_OPS, Inserter, Rejected, aten, is_call, tensor_val
 
 fusepass = torch.ops.fusepass
 
@@ -52,8 +52,10 @@ def check_operands(a: fx.Node, b: fx.Node, dtypes, *, azp: bool = False) -> None
         # A symbolic K passes here; the op checks the real K at run time.
         if statically_known_true(va.shape[-1] > max_k):
             raise Rejected(f"K = {va.shape[-1]} exceeds {max_k}, the largest exact for int32 accumulation")
-    elif va.device.type == "cuda" and torch.cuda.get_device_capability(va.device) < MIN_FP8_CAPABILITY:
-        raise Rejected(f"{va.device} has no fp8 tensor cores")
+    if va.device.type == "cuda" and torch.cuda.is_available():  # (fake CUDA graphs trace on CPU hosts)
+        need = MIN_CAPABILITY if va.dtype == torch.int8 else MIN_FP8_CAPABILITY
+        if torch.cuda.get_device_capability(va.device) < need:
+            raise Rejected(f"{va.device} is older than sm_{need[0]}{need[1]}, which {va.dtype} needs")
 
 
 def _scales(ins: Inserter, ep: Epilogue, device):
@@ -96,5 +98,7 @@ def emit(graph: fx.Graph, cand: Candidate) -> fx.Node:
     out.meta["stack_trace"] = last.meta.get("stack_trace")
     last.replace_all_uses_with(out)
     for node in reversed([cand.anchor, *ep.chain]):
+        for check in [u for u in node.users if is_call(u, *ASSERT_OPS)]:
+            graph.erase_node(check)  # asserts on values that no longer exist
         graph.erase_node(node)
     return out

@@ -115,12 +115,17 @@ def test_k_too_large_for_int32():
         fusepass.scaled_mm_azp(a, a.t(), f32(1), f32(1), F32, adj)
 
 
-def test_fp8_needs_sm89(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    with pytest.raises(ValueError, match=r"float8_e4m3fn inputs need a GPU with compute capability >= 8.9; cuda:0 has 8.0"):
-        checks.check_fp8_device("fusepass.scaled_mm", torch.device("cuda", 0))
+@pytest.mark.parametrize("cap,dtype,message", [
+    ((8, 0), torch.float8_e4m3fn, "float8_e4m3fn inputs need a GPU with compute capability >= 8.9; cuda:0 has 8.0"),
+    ((7, 5), torch.int8, "int8 inputs need a GPU with compute capability >= 8.0; cuda:0 has 7.5"),
+])
+def test_unsupported_gpus(monkeypatch, cap, dtype, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    with pytest.raises(ValueError, match=re.escape("fusepass.scaled_mm: " + message)):
+        checks.check_gpu("fusepass.scaled_mm", torch.device("cuda", 0), dtype)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    checks.check_fp8_device("fusepass.scaled_mm", torch.device("cuda", 0))
+    checks.check_gpu("fusepass.scaled_mm", torch.device("cuda", 0), dtype)
 
 
 def test_valid_inputs_pass():

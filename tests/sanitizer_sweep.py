@@ -1,0 +1,48 @@
+"""A sweep of ragged shapes over every tile path and epilogue variant, for compute-sanitizer.
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
+        python -m tests.sanitizer_sweep
+
+Without the caching allocator every tensor is its own allocation, so a read or write one
+element past an edge is reported. Each case is also checked against the float64 oracle.
+"""
+
+import itertools
+import sys
+
+import torch
+
+import fusepass
+from tests.helpers import assert_matches_oracle, make_problem
+
+# M: every bucket and its edges; N and K: below one block, ragged, multiples of the blocks.
+MS = [1, 7, 16, 17, 64, 65, 256, 257, 300]
+NK = [(17, 33), (100, 17), (129, 128), (1000, 1001), (64, 256)]
+VARIANTS = [
+    dict(dtype=torch.int8, sa_shape=(), sb_shape=()),
+    dict(dtype=torch.int8, bias_dtype=torch.bfloat16),
+    dict(dtype=torch.float8_e4m3fn, bias_dtype=torch.float32),
+    dict(dtype=torch.float8_e4m3fn, sa_shape=(1,), sb_shape=(1, 1)),
+    dict(azp="tensor", bias_dtype=torch.float32),
+    dict(azp="token", azp_dtype=torch.float32),
+]
+
+
+def main() -> int:
+    n = 0
+    for (M, (N, K)), variant in itertools.product(itertools.product(MS, NK), VARIANTS):
+        p = make_problem(M, N, K, device="cuda", seed=n, **variant)
+        out_dtype = (torch.bfloat16, torch.float16, torch.float32)[n % 3]
+        if p.azp_adj is None:
+            out = fusepass.scaled_mm(p.a, p.b, p.scale_a, p.scale_b, out_dtype, p.bias)
+        else:
+            out = fusepass.scaled_mm_azp(p.a, p.b, p.scale_a, p.scale_b, out_dtype, p.azp_adj, p.azp, p.bias)
+        torch.cuda.synchronize()
+        assert_matches_oracle(out, p, out_dtype)
+        n += 1
+    print(f"sanitizer sweep: {n} cases ({len(MS)} M x {len(NK)} (N, K) x {len(VARIANTS)} variants), all match the oracle")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
