@@ -48,7 +48,8 @@ def _draw(seed: int, device: str) -> Program:
     kind = rnd.choice(["int_mm", "int_mm", "scaled_mm", "dequant"])
     three_d, view_early = rnd.random() < 0.3, rnd.random() < 0.5
     dynamic = rnd.random() < 0.3
-    N, K = rnd.choice([16, 24, 40, 64]), rnd.choice([32, 48, 64, 96])
+    # CUDA's _scaled_mm needs N and K to be multiples of 16 (and _int_mm of 8).
+    N, K = rnd.choice([16, 24, 40, 64] if device == "cpu" else [16, 32, 48, 64]), rnd.choice([32, 48, 64, 96])
     qdtype = torch.int8 if kind == "int_mm" or (kind == "dequant" and rnd.random() < 0.5) else torch.float8_e4m3fn
     azp = rnd.choice([None, None, "tensor", "token"]) if kind == "int_mm" else None
     azp_dtype = rnd.choice([torch.int32, torch.float32])
@@ -129,7 +130,7 @@ def _draw(seed: int, device: str) -> Program:
         elif azp == "token":
             adj = azp_v.double() * colsum.double()[None, :]
             acc, mag = acc - adj, mag + adj.abs()
-        s = _vec(sa_of(sa)).reshape(-1, 1) * _vec(sb_of()).reshape(1, -1)
+        s = _vec(sa_of(sa), acc.device).reshape(-1, 1) * _vec(sb_of(), acc.device).reshape(1, -1)
         acc, mag = acc * s, mag * s.abs()
         if bias is not None:
             acc, mag = acc + bias.double(), mag + bias.double().abs()
@@ -154,9 +155,11 @@ def _q(shape, dtype, g):
     return (torch.randn(shape, generator=g) * 2).to(dtype)
 
 
-def _vec(s) -> torch.Tensor:
+def _vec(s, device) -> torch.Tensor:
     """A scale (tensor or number) as float64, flattened."""
-    return s.double().reshape(-1) if isinstance(s, torch.Tensor) else torch.tensor([float(s)], dtype=torch.float64)
+    if isinstance(s, torch.Tensor):
+        return s.double().reshape(-1)
+    return torch.tensor([float(s)], dtype=torch.float64, device=device)
 
 
 def check(p: Program, backend: str) -> str | None:

@@ -8,8 +8,9 @@ import torch
 
 # Relative half-ulp of each output dtype: the op rounds its fp32 result once.
 # Hopper fp8 MMAs sum each K block at reduced precision before the fp32 accumulator:
-# torch._scaled_mm and our kernel both measured 2.4e-5 (~2**-15.3) of sum|a*b| at 4096^3.
-FP8_MMA_REL = 2.0**-13
+# torch._scaled_mm and our kernel both measured 2.4e-5 of sum|a*b| at 4096^3 (H200), and
+# the fuzzer saw 1.7e-4 (~2**-12.5) for a single 96-wide block on an H100.
+FP8_MMA_REL = 2.0**-11
 
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 

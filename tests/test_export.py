@@ -45,5 +45,5 @@ def test_export_aoti_package_runs_fused(tmp_path):
         torch.testing.assert_close(out, io["ref"], rtol=1e-5, atol=1e-5)
         print("ok")
     """)
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]

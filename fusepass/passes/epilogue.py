@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from .graph import FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, is_call, peel_expand, same, tensor_val, users
+from .graph import (
+    FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, is_call, is_number, peel_expand, same, tensor_val, users,
+)
 
 AZP_DTYPES = (torch.int32, torch.float32)
 
@@ -63,7 +65,7 @@ def _other(node: fx.Node, cur: fx.Node):
 
 
 def _check_device(arg, device, what: str) -> None:
-    if isinstance(arg, fx.Node) and tensor_val(arg).device != device:
+    if isinstance(arg, fx.Node) and not is_number(arg) and tensor_val(arg).device != device:
         raise Rejected(f"{what} {arg} is on {tensor_val(arg).device}, the matmul on {device} (mixed devices)")
 
 
@@ -78,6 +80,8 @@ class _Walker:
         """[(multiplier, Axis)] of a scale operand; a product of scales (``sa * sb``, an
         outer product included) is split back into its factors."""
         arg = peel_expand(arg)
+        if is_number(arg):
+            return [(arg, Axis.TENSOR)]
         _check_device(arg, self.device, "multiplier")
         if isinstance(arg, fx.Node) and tensor_val(arg).dtype not in FLOAT_DTYPES:
             raise Rejected(f"multiplier {arg} has dtype {tensor_val(arg).dtype}, not a float scale")

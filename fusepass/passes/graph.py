@@ -89,13 +89,19 @@ class Axis(enum.Enum):
     COL = "per-channel"  # one value per output column: [N] / [1, N] / [1, 1, N]
 
 
+def is_number(arg) -> bool:
+    """A Python number, or a node holding one (a SymFloat / SymInt input under dynamic shapes)."""
+    v = val(arg)
+    return isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(v, bool)
+
+
 def classify(arg, out_shape) -> Axis:
     """The broadcast axis of ``arg`` (a node or Python number) against ``out_shape``.
 
     Raises Rejected for anything that is not one value per tensor, row or column (a full
     [M, N] tensor, or a vector that broadcasts along the wrong axis).
     """
-    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+    if is_number(arg):
         return Axis.TENSOR
     v = tensor_val(arg)
     if v.dim() > len(out_shape):
@@ -157,10 +163,12 @@ class Inserter:
         """A [M] / [N] view of a per-token / per-channel tensor ([M, 1], [1, N], [B, S, 1]...)."""
         return node if tensor_val(node).dim() == 1 else self.call(aten.reshape.default, node, [-1])
 
-    def scalar(self, arg):
+    def scalar(self, arg, device):
         """A per-tensor multiplier as an fp32 0-d tensor (Python numbers stay numbers)."""
         if not isinstance(arg, fx.Node):
             return arg
+        if is_number(arg):  # a symbolic number: materialize it on the device
+            return self.call(aten.scalar_tensor.default, arg, dtype=torch.float32, device=device)
         if tensor_val(arg).dim() != 0:
             arg = self.call(aten.reshape.default, arg, [])
         return self.fp32(arg)

@@ -64,7 +64,7 @@ def _scales(ins: Inserter, ep: Epilogue, device):
     rows = [ins.fp32(ins.flat(r)) for r in ep.rows]
     cols = [ins.fp32(ins.flat(c)) for c in ep.cols]
     # Tensors before Python numbers, so a lone number never displaces a tensor scale.
-    scalars = sorted((ins.scalar(s) for s in ep.scalars), key=lambda s: not isinstance(s, fx.Node))
+    scalars = sorted((ins.scalar(s, device) for s in ep.scalars), key=lambda s: not isinstance(s, fx.Node))
     a_side = rows or scalars[:1]
     b_side = cols + (scalars if rows else scalars[1:])
     one = lambda: ins.constant(1.0, device)  # noqa: E731
