@@ -7,10 +7,11 @@ from dataclasses import dataclass
 import torch
 
 # Relative half-ulp of each output dtype: the op rounds its fp32 result once.
-# Hopper fp8 MMAs sum each K block at reduced precision before the fp32 accumulator:
-# torch._scaled_mm and our kernel both measured 2.4e-5 of sum|a*b| at 4096^3 (H200), and
-# the fuzzer saw 1.7e-4 (~2**-12.5) for a single 96-wide block on an H100.
-FP8_MMA_REL = 2.0**-11
+# Hopper fp8 MMAs sum each K block at reduced precision before the fp32 accumulator. Max
+# |error| / sum|a*b| over 20 random [32, K] x [K, 64] problems on an H200, ours and
+# torch._scaled_mm (cuBLAS, precise accumulation) identical at every K: 8.6e-5 (K=32),
+# 1.9e-4 (64), 1.8e-4 (96), 2.6e-4 (128), 1.4e-4 (256), 4.9e-5 (1024); 2.4e-5 at 4096^3.
+FP8_MMA_REL = 2.0**-10
 
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 

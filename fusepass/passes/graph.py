@@ -90,8 +90,12 @@ class Axis(enum.Enum):
 
 
 def is_number(arg) -> bool:
-    """A Python number, or a node holding one (a SymFloat / SymInt input under dynamic shapes)."""
+    """A Python number, a node holding one (SymFloat / SymInt), or a 0-d CPU tensor, which
+    eager broadcasting treats as a number on any device (torch 2.11 passes a Python float
+    scale that way under ``dynamic=True``)."""
     v = val(arg)
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and v.device.type == "cpu"
     return isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(v, bool)
 
 
@@ -167,9 +171,14 @@ class Inserter:
         """A per-tensor multiplier as an fp32 0-d tensor (Python numbers stay numbers)."""
         if not isinstance(arg, fx.Node):
             return arg
-        if is_number(arg):  # a symbolic number: materialize it on the device
+        v = val(arg)
+        if isinstance(v, torch.Tensor) and v.device != device:
+            # A 0-d CPU scalar: broadcast it into a device tensor, as the user's own multiply
+            # did (Inductor passes it to the kernel as a value: no copy, no device sync).
+            return self.fp32(self.call(aten.mul.Tensor, self.constant(1.0, device), arg))
+        if not isinstance(v, torch.Tensor):  # a symbolic number: materialize it on the device
             return self.call(aten.scalar_tensor.default, arg, dtype=torch.float32, device=device)
-        if tensor_val(arg).dim() != 0:
+        if v.dim() != 0:
             arg = self.call(aten.reshape.default, arg, [])
         return self.fp32(arg)
 

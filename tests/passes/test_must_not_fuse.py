@@ -89,21 +89,45 @@ def test_left_unchanged(fn, reason):
     torch.testing.assert_close(r.out, fn(a, b, sa, sb))
 
 
-def test_mixed_devices_on_a_cuda_graph():
-    """A CPU scale multiplied into a CUDA accumulator (a 0-d CPU tensor is allowed by
-    eager broadcasting) is not fused. Traced with fake CUDA tensors: no GPU needed."""
+def _fake_cuda_graph(f, *shapes_and_devices):
+    with FakeTensorMode():
+        args = [torch.empty(shape, dtype=dtype, device=dev) for shape, dtype, dev in shapes_and_devices]
+        return make_fx(f, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
+
+
+def test_mixed_devices_are_not_fused():
+    """A scale on another device than the matmul (no eager program can multiply those;
+    the guard keeps the pass from ever producing one): the graph stays as it is."""
+
+    def f(a, b, sa, sb):
+        return torch._int_mm(a, b).float() * sa * sb
+
+    gm = _fake_cuda_graph(f, ((M, K), torch.int8, "cuda"), ((K, N), torch.int8, "cuda"),
+                          ((M, 1), torch.float32, "cuda"), ((1, N), torch.float32, "cuda"))
+    sb_node = [n for n in gm.graph.nodes if n.op == "placeholder"][3]
+    with sb_node.meta["val"].fake_mode:
+        sb_node.meta["val"] = torch.empty(1, N, device="cuda:1")
+    before = str(gm.graph)
+    (d,) = FusePass().run(gm.graph)
+    assert not d.fused and "is on cuda:1, the matmul on cuda:0 (mixed devices)" in d.reason
+    assert str(gm.graph) == before
+
+
+def test_cpu_scalar_scale_on_a_cuda_graph_is_a_number():
+    """A 0-d CPU tensor broadcasts into CUDA ops as a number (torch 2.11 passes Python float
+    scales that way under dynamic=True): fused, read on the host, no device sync."""
 
     def f(a, b, sa, s_cpu):
         return torch._int_mm(a, b).float() * sa * s_cpu
 
-    with FakeTensorMode():
-        args = (torch.empty(M, K, dtype=torch.int8, device="cuda"), torch.empty(K, N, dtype=torch.int8, device="cuda"),
-                torch.empty(M, 1, device="cuda"), torch.empty(()))
-        gm = make_fx(f, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
-    before = str(gm.graph)
+    gm = _fake_cuda_graph(f, ((M, K), torch.int8, "cuda"), ((K, N), torch.int8, "cuda"),
+                          ((M, 1), torch.float32, "cuda"), ((), torch.float32, "cpu"))
     (d,) = FusePass().run(gm.graph)
-    assert not d.fused and "is on cpu, the matmul on cuda:0 (mixed devices)" in d.reason
-    assert str(gm.graph) == before
+    assert d.fused, d.reason
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.fusepass.scaled_mm.default]
+    scale_b = op.args[3]  # the CPU scalar, multiplied into a CUDA constant
+    assert scale_b.target is torch.ops.aten.mul.Tensor and scale_b.meta["val"].device.type == "cuda"
+    assert scale_b.args[1].op == "placeholder" and scale_b.args[1].meta["val"].device.type == "cpu"
 
 
 def test_cuda_graph_is_rewritten_without_a_gpu():
