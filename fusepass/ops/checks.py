@@ -7,6 +7,8 @@ device and size problems raise ``ValueError``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 INPUT_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -61,11 +63,16 @@ def _check_scale(op: str, name: str, t, length, axis: int, what: str) -> None:
         )
 
 
+@functools.lru_cache(maxsize=None)  # on every CUDA call: ask the driver once per device
+def _capability(index: int) -> tuple:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
 def check_gpu(op: str, device: torch.device, dtype: torch.dtype) -> None:
     """The GPU must have the tensor cores the kernel uses; say so instead of failing in Triton."""
     if device.type != "cuda" or not torch.cuda.is_available():  # fake CUDA tensors on a CPU host
         return
-    cap = tuple(torch.cuda.get_device_capability(device))
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
     need, what = (MIN_FP8_CAPABILITY, "float8_e4m3fn inputs") if dtype != torch.int8 else (MIN_CAPABILITY, "int8 inputs")
     if cap < need:
         raise ValueError(

@@ -122,10 +122,13 @@ def test_k_too_large_for_int32():
 def test_unsupported_gpus(monkeypatch, cap, dtype, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    checks._capability.cache_clear()
     with pytest.raises(ValueError, match=re.escape("fusepass.scaled_mm: " + message)):
         checks.check_gpu("fusepass.scaled_mm", torch.device("cuda", 0), dtype)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    checks._capability.cache_clear()
     checks.check_gpu("fusepass.scaled_mm", torch.device("cuda", 0), dtype)
+    checks._capability.cache_clear()
 
 
 def test_valid_inputs_pass():
