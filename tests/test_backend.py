@@ -72,10 +72,11 @@ def test_inductor_options_chain_the_users_pass(fresh_compile):
     torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
 
 
-def test_inductor_options_keep_a_configured_pass_and_never_add_ours_twice(monkeypatch):
+def test_inductor_options_keep_a_configured_pass_and_never_add_ours_twice():
     user = UserPass()
-    monkeypatch.setattr(torch._inductor.config, "post_grad_custom_pre_pass", user)
-    chained = fusepass.inductor_options()["post_grad_custom_pre_pass"]
+    # config.patch, not monkeypatch: pytest 9.2 undoes with delattr, which deletes the key.
+    with torch._inductor.config.patch(post_grad_custom_pre_pass=user):
+        chained = fusepass.inductor_options()["post_grad_custom_pre_pass"]
     assert chained.passes[0] is user and isinstance(chained.passes[1], fusepass.FusePass)
     again = fusepass.inductor_options({"post_grad_custom_pre_pass": chained})["post_grad_custom_pre_pass"]
     assert again.passes[0] is user and len(again.passes) == 2
