@@ -71,7 +71,7 @@ def ceilings() -> dict:
     for dtype, n in ((torch.uint8, 2**30), (torch.float32, 2**29), (torch.float32, 2**30)):
         x = torch.randn(n, device="cuda").to(dtype)
         y = torch.empty_like(x)
-        copy_tbps = max(copy_tbps, 2 * x.nbytes / graph_time_us(lambda i: (lambda: y.copy_(x)), 1) / 1e6)
+        copy_tbps = max(copy_tbps, 2 * x.nbytes / graph_time_us(lambda i, x=x, y=y: (lambda: y.copy_(x)), 1) / 1e6)
         del x, y
     n = 8192
     a8 = torch.randint(-128, 127, (n, n), dtype=torch.int8, device="cuda")
@@ -156,7 +156,7 @@ def bench_point(M, N, K, ceil, l2_bytes, log):
         copies = max(1, min(64, math.ceil(3 * l2_bytes / per_call)))
         sets = [make_inputs(kind, M, N, K, g) for _ in range(copies)]
         try:
-            row["us"][name] = graph_time_us(lambda i: (lambda t=sets[i]: fn(t)), copies)
+            row["us"][name] = graph_time_us(lambda i, sets=sets: (lambda t=sets[i]: fn(t)), copies)
         except Exception as e:  # reported, not fatal: the table says which path failed
             row["us"][name] = None
             log(f"  {name} at M={M} N={N} K={K} failed: {str(e).splitlines()[0][:100]}")
@@ -308,7 +308,7 @@ def main() -> int:
     ceil = ceilings()
     log("  " + ", ".join(f"{k} {v:.0f}" if v > 10 else f"{k} {v:.2f}" for k, v in ceil.items()))
     rows = []
-    for i, (N, K) in enumerate(shapes):
+    for N, K in shapes:
         for M in ms:
             t0 = time.perf_counter()
             rows.append(bench_point(M, N, K, ceil, l2, log))

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.passes import FusePass
-from tests.passes.data import K, M, N, bias, f8, i8, scale
+from tests.passes.data import K, M, N, bias, i8, scale
 from tests.passes.harness import run_pass
 
 F = torch.nn.functional
