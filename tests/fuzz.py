@@ -40,6 +40,8 @@ class Program:
     inputs: tuple = ()
     more_inputs: tuple = ()  # a second M, for dynamic programs
     oracle: object = None  # inputs -> (float64 value, magnitude bound)
+    out_dtype: torch.dtype = torch.float32
+    qdtype: torch.dtype = torch.int8
 
 
 def _draw(seed: int, device: str) -> Program:
@@ -138,9 +140,8 @@ def _draw(seed: int, device: str) -> Program:
 
     # M never equals N or K: Dynamo's duck sizing would tie them and recompile on a new M.
     M1, M2 = rnd.choice([20, 28] if device == "cuda" else [8, 12, 20]), rnd.choice([44, 52])
-    p = Program(seed, kind, not (extra_user or blocker), dynamic, fn=fn, oracle=oracle,
-                inputs=inputs_for(M1, seed), more_inputs=inputs_for(M2, seed + 1))
-    p.out_dtype, p.qdtype = out_dtype, qdtype
+    p = Program(seed, kind, not (extra_user or blocker), dynamic, fn=fn, oracle=oracle, out_dtype=out_dtype,
+                qdtype=qdtype, inputs=inputs_for(M1, seed), more_inputs=inputs_for(M2, seed + 1))
     p.desc = [kind, str(qdtype)[6:], f"sa={sa_form}", f"sb={sb_form}", f"premultiplied={premultiply}",
               f"azp={azp}:{str(azp_dtype)[6:]}" if azp else "azp=None", f"bias={str(bias_dtype)[6:]}",
               f"out={str(out_dtype)[6:]}", "casts=" + ",".join(f"{k}:{str(v)[6:]}" for k, v in casts.items()),
