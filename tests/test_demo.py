@@ -13,7 +13,7 @@ SMALL = Shape(layers=2, dim=128, hidden=256, heads=4, kv_heads=2)
 
 
 def test_demo_runs_and_fuses_every_linear(capsys):
-    assert cli.main(["demo", "--layers", "1", "--dim", "128", "--hidden", "256", "--tokens", "24"]) == 0
+    assert cli.main(["demo", "--device", "cpu", "--layers", "1", "--dim", "128", "--hidden", "256", "--tokens", "24"]) == 0
     out = capsys.readouterr().out
     assert "fusepass: 4 quantized matmuls, 4 fused, 0 left alone" in out
     for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
