@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 
 from .graph import (
-    FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, is_call, is_number, peel_expand, same, tensor_val, users,
+    FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, classify_or_none, is_call, is_number, peel_expand,
+    same, tensor_val, users,
 )
 
 AZP_DTYPES = (torch.int32, torch.float32)
@@ -74,7 +75,6 @@ class _Walker:
         self.ep = ep
         self.allow_azp = allow_azp
         self.device = tensor_val(anchor).device
-        self.acc_shape = list(tensor_val(anchor).shape)
 
     def factors(self, arg, shape) -> list:
         """[(multiplier, Axis)] of a scale operand; a product of scales (``sa * sb``, an
@@ -164,13 +164,6 @@ class _Walker:
 
 def _noop() -> None:
     pass
-
-
-def classify_or_none(arg, shape) -> Axis | None:
-    try:
-        return classify(arg, shape)
-    except Rejected:
-        return None
 
 
 def _continues(walker: _Walker, cur: fx.Node, user: fx.Node) -> bool:

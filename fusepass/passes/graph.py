@@ -124,6 +124,14 @@ def classify(arg, out_shape) -> Axis:
     )
 
 
+def classify_or_none(arg, out_shape) -> Axis | None:
+    """``classify``, with None where it would reject."""
+    try:
+        return classify(arg, out_shape)
+    except Rejected:
+        return None
+
+
 def _shape(v: torch.Tensor) -> list:
     return list(v.shape)
 
