@@ -13,6 +13,8 @@ import sys
 import torch
 
 import fusepass
+from fusepass.kernels import launch_scaled_mm
+from fusepass.kernels.configs import Config
 from tests.helpers import assert_matches_oracle, make_problem
 
 # M: every bucket and its edges; N and K: below one block, ragged, multiples of the blocks.
@@ -25,6 +27,14 @@ VARIANTS = [
     dict(dtype=torch.float8_e4m3fn, sa_shape=(1,), sb_shape=(1, 1)),
     dict(azp="tensor", bias_dtype=torch.float32),
     dict(azp="token", azp_dtype=torch.float32),
+]
+# Main-loop paths the tuned table may pick, forced on every shape (the ops above take the
+# table's choice): TMA loads, split-K with its reduction kernel, both, and wide tiles.
+PATHS = [
+    Config(16, 64, 128, tma=True),
+    Config(16, 32, 128, split_k=4),
+    Config(64, 128, 128, split_k=2, tma=True),
+    Config(128, 256, 64, num_warps=8, num_stages=4, tma=True),
 ]
 
 
@@ -40,7 +50,15 @@ def main() -> int:
         torch.cuda.synchronize()
         assert_matches_oracle(out, p, out_dtype)
         n += 1
-    print(f"sanitizer sweep: {n} cases ({len(MS)} M x {len(NK)} (N, K) x {len(VARIANTS)} variants), all match the oracle")
+    for (M, (N, K)), cfg in itertools.product(itertools.product(MS, NK), PATHS):
+        variant = VARIANTS[n % len(VARIANTS)]
+        p = make_problem(M, N, K, device="cuda", seed=n, **variant)
+        out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, p.azp_adj, p.azp, config=cfg)
+        torch.cuda.synchronize()
+        assert_matches_oracle(out, p, torch.float32)
+        n += 1
+    print(f"sanitizer sweep: {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} variants"
+          f" through the ops + {len(PATHS)} forced kernel paths)), all match the oracle")
     return 0
 
 

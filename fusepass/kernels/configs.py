@@ -1,16 +1,26 @@
-"""Launch configurations of the fused GEMM, chosen by shape class.
+"""Launch configurations of the fused GEMM: a tuned table per GPU architecture, and defaults.
 
-A default per M bucket: small M (decode) is bound by reading the weight, so its tiles are
-short in M and wide in K; large M is compute-bound and takes 128x128 tiles. Tiles shrink
-to the problem for small N and K so that ragged shapes do not waste whole tiles.
+``select_config`` looks up ``tuned/<arch>.json`` (written offline by
+``benchmarks/tune.py``) by (dtype, M bucket, N, K); an unseen (N, K) takes the bucket's
+tuned default (the config with the best geomean over the tuned shapes), and an
+architecture without a table takes the built-in defaults below. Nothing is timed at run
+time, so the ops stay cheap to call and capture into CUDA graphs.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
+import torch
 import triton
+
+TABLE_DIR = Path(__file__).with_name("tuned")
+
+# Upper bounds of the M buckets; the last bucket takes every larger M.
+M_BUCKETS = (16, 64, 256, 1024, 4096, None)
 
 
 @dataclass(frozen=True)
@@ -21,29 +31,86 @@ class Config:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # programs along K; > 1 adds a small reduction kernel
+    tma: bool = False  # TMA descriptor loads where the operand layout allows them
+
+    def as_dict(self) -> dict:
+        return asdict(self)
 
 
-# (largest M of the bucket, config); the last bucket takes every larger M.
-_DEFAULTS = (
-    (16, Config(16, 64, 128, num_warps=4, num_stages=4)),
-    (64, Config(64, 64, 128, num_warps=4, num_stages=4)),
-    (256, Config(64, 128, 128, num_warps=4, num_stages=3)),
-    (None, Config(128, 128, 128, num_warps=8, num_stages=3)),
+# Without a table: small M (decode) is bound by reading the weight, so its tiles are short
+# in M and wide in K; large M is compute-bound and takes 128x128 tiles.
+BUILTIN = (
+    Config(16, 64, 128, num_warps=4, num_stages=4),
+    Config(64, 64, 128, num_warps=4, num_stages=4),
+    Config(64, 128, 128, num_warps=4, num_stages=3),
+    Config(128, 128, 128, num_warps=8, num_stages=3),
+    Config(128, 128, 128, num_warps=8, num_stages=3),
+    Config(128, 128, 128, num_warps=8, num_stages=3),
 )
 
 
-def select_config(M: int, N: int, K: int) -> Config:
-    """The launch configuration for one (M, N, K) problem."""
-    bucket = next(i for i, (max_m, _) in enumerate(_DEFAULTS) if max_m is None or M <= max_m)
-    return _config(bucket, N, K)
+def m_bucket(M: int) -> int:
+    """Index into M_BUCKETS of the bucket holding M."""
+    return next(i for i, top in enumerate(M_BUCKETS) if top is None or M <= top)
 
 
-@functools.lru_cache(maxsize=1024)  # on the launch path: 6 us uncached, 0.3 us cached
-def _config(bucket: int, N: int, K: int) -> Config:
-    cfg = _DEFAULTS[bucket][1]
+def bucket_name(bucket: int) -> str:
+    top = M_BUCKETS[bucket]
+    return f"M<={top}" if top is not None else f"M>{M_BUCKETS[bucket - 1]}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return "int8" if dtype == torch.int8 else "fp8"
+
+
+def table_key(dtype: str, bucket: int, N: int | None = None, K: int | None = None) -> str:
+    """The table's key of one shape, or of a bucket's default when N and K are None."""
+    key = f"{dtype},{bucket_name(bucket)}"
+    return key if N is None else f"{key},{N},{K}"
+
+
+@functools.cache
+def load_table(arch: str) -> dict:
+    """The tuned table of ``arch`` (e.g. "sm90"), or an empty one."""
+    path = TABLE_DIR / f"{arch}.json"
+    if not path.exists():
+        return {"defaults": {}, "shapes": {}}
+    return json.loads(path.read_text())
+
+
+@functools.cache  # on every launch: ask the driver once per device
+def device_arch(device: torch.device) -> str | None:
+    """"sm90"-style name of a CUDA device; None elsewhere (Triton's CPU interpreter)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.int8, device=None) -> Config:
+    """The launch configuration for one (M, N, K) problem of ``dtype`` on ``device``."""
+    arch = device_arch(device) if device is not None else None
+    return _config(m_bucket(M), N, K, dtype_name(dtype), arch)
+
+
+@functools.lru_cache(maxsize=4096)  # on the launch path: 6 us uncached, 0.3 us cached
+def _config(bucket: int, N: int, K: int, dtype: str, arch: str | None) -> Config:
+    cfg = BUILTIN[bucket]
+    if arch is not None:
+        table = load_table(arch)
+        entry = table["shapes"].get(table_key(dtype, bucket, N, K)) or table["defaults"].get(table_key(dtype, bucket))
+        if entry:
+            cfg = Config(**entry["config"])
+    return fit(cfg, N, K)
+
+
+def fit(cfg: Config, N: int, K: int) -> Config:
+    """``cfg`` with tiles shrunk to a small N or K (so ragged shapes waste no whole tile)."""
     # tl.dot needs every block dim >= 16 (>= 32 along K for 8-bit inputs).
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(N)))
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
-    if (block_n, block_k) == (cfg.block_n, cfg.block_k):
+    split_k = max(1, min(cfg.split_k, triton.cdiv(K, block_k)))
+    if (block_n, block_k, split_k) == (cfg.block_n, cfg.block_k, cfg.split_k):
         return cfg
-    return Config(cfg.block_m, block_n, block_k, cfg.group_m, cfg.num_warps, cfg.num_stages)
+    return Config(**{**cfg.as_dict(), "block_n": block_n, "block_k": block_k, "split_k": split_k})

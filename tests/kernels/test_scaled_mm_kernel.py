@@ -1,11 +1,15 @@
 """The Triton kernel itself (Triton's interpreter on CPU, the GPU when there is one),
 against the ops' CPU reference, over every epilogue variant and tile path."""
 
+import json
+
 import pytest
 import torch
 
 from fusepass.kernels import launch_scaled_mm
-from fusepass.kernels.configs import select_config
+from fusepass.kernels import configs
+from fusepass.kernels.configs import Config, select_config
+from fusepass.kernels.scaled_mm import _tma_operands
 from tests.helpers import assert_matches_oracle, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -80,7 +84,92 @@ def test_kernel_writes_every_element():
     assert torch.isfinite(out).all()
 
 
+# The main-loop paths beside the default: TMA descriptor loads (zero fill past the edges),
+# split-K (partial sums + the reduction kernel; split counts that leave empty slices), both.
+PATHS = {
+    "tma": Config(16, 32, 32, tma=True),
+    "split3": Config(16, 32, 32, split_k=3),
+    "split_tma": Config(32, 64, 64, split_k=2, tma=True),
+    "split_many": Config(16, 16, 32, split_k=20),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("M,N,K", [(1, 17, 48), (33, 48, 256), (70, 130, 300)])
+def test_kernel_paths(path, dtype, M, N, K):
+    p = make_problem(M, N, K, dtype, device=DEVICE, bias_dtype=torch.float32)
+    out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, config=PATHS[path])
+    assert_matches_oracle(out, p, torch.float32)
+
+
+@pytest.mark.parametrize("path", ["split3", "split_tma"])
+@pytest.mark.parametrize("azp", ["tensor", "token"])
+def test_kernel_paths_azp(path, azp):
+    # Split-K applies the zero point once, to the summed slices, in int32.
+    p = make_problem(7, 100, 160, device=DEVICE, azp=azp, bias_dtype=torch.float32)
+    out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, p.azp_adj, p.azp, config=PATHS[path])
+    assert_matches_oracle(out, p, torch.float32)
+
+
+def test_tma_falls_back_on_unaligned_layouts():
+    # K=40 rows of a are not 16-byte aligned, and a strided a has no unit stride: pointer loads.
+    for layout in ["ragged_rows", "strided"]:
+        p = make_problem(9, 24, 40, device=DEVICE, bias_dtype=torch.float32)
+        if layout == "strided":
+            p.a = torch.cat([p.a, p.a], dim=1)[:, ::2]
+        assert _tma_operands(p.a, p.b, PATHS["tma"]) is None
+        out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, config=PATHS["tma"])
+        assert_matches_oracle(out, p, torch.float32)
+    p = make_problem(9, 24, 48, device=DEVICE)
+    assert _tma_operands(p.a, p.b, PATHS["tma"]) is not None
+
+
 def test_config_covers_small_dims():
     cfg = select_config(3, 17, 17)
     assert cfg.block_m == 16 and cfg.block_n == 32 and cfg.block_k == 32
     assert select_config(4096, 4096, 4096).block_m == 128
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "TABLE_DIR", tmp_path)
+    configs.load_table.cache_clear()
+    configs._config.cache_clear()
+    yield tmp_path
+    configs.load_table.cache_clear()
+    configs._config.cache_clear()
+
+
+def test_config_table_lookup(table_dir):
+    tuned = Config(16, 128, 256, num_warps=4, num_stages=3, split_k=4, tma=True)
+    default = Config(16, 32, 128, split_k=2)
+    (table_dir / "sm90.json").write_text(json.dumps({
+        "shapes": {"fp8,M<=16,4096,4096": {"config": tuned.as_dict(), "us": 1.0}},
+        "defaults": {"fp8,M<=16": {"config": default.as_dict()}},
+    }))
+    assert configs._config(0, 4096, 4096, "fp8", "sm90") == tuned  # tuned shape
+    assert configs._config(0, 4096, 8192, "fp8", "sm90") == default  # unseen shape: bucket default
+    assert configs._config(0, 4096, 4096, "int8", "sm90") == configs.BUILTIN[0]  # other dtype
+    assert configs._config(3, 4096, 4096, "fp8", "sm90") == configs.BUILTIN[3]  # other bucket
+    assert configs._config(0, 4096, 4096, "fp8", "sm80") == configs.BUILTIN[0]  # no table
+    assert configs._config(0, 4096, 4096, "fp8", None) == configs.BUILTIN[0]  # interpreter
+
+
+def test_config_buckets():
+    assert [configs.bucket_name(configs.m_bucket(m)) for m in (1, 16, 17, 4096, 4097, 10**6)] == [
+        "M<=16", "M<=16", "M<=64", "M<=4096", "M>4096", "M>4096"]
+    assert configs.table_key("int8", 1, 10, 20) == "int8,M<=64,10,20"
+
+
+def test_config_fit_shrinks_split_k():
+    # K=100 has 4 blocks of 32: more splits than blocks would leave empty programs.
+    assert configs.fit(Config(16, 64, 128, split_k=8), 50, 100) == Config(16, 64, 128, split_k=1)
+    assert configs.fit(Config(16, 64, 32, split_k=8), 50, 100).split_k == 4
+
+
+def test_shipped_tables_parse():
+    for path in configs.TABLE_DIR.glob("*.json"):
+        table = json.loads(path.read_text())
+        for entry in [*table["shapes"].values(), *table["defaults"].values()]:
+            Config(**entry["config"])

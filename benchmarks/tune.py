@@ -1,0 +1,226 @@
+"""Offline tuning of the fused GEMM's launch configs: writes fusepass/kernels/tuned/<arch>.json.
+
+    python benchmarks/tune.py                          # 8 Llama shapes, every M bucket, int8 + fp8
+    python benchmarks/tune.py --shapes 8b --dtypes int8 --buckets 16,4096 --out /tmp/t.json
+
+For each dtype, M bucket (timed at its largest M; the last bucket at 16384) and (N, K),
+every candidate tile of the bucket is timed with and without TMA loads, then the best one
+is refined over split-K and pipeline depth. Timing follows bench_linear.py's protocol
+(CUDA graph of calls over rotating input copies > 3x L2, median of replays); each
+candidate's output must match the built-in default config's before it counts. The
+bucket's default for unseen shapes is the base candidate with the best geomean over
+the tuned shapes. An existing table at --out is updated, not replaced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_linear
+from bench_linear import SHAPES, graph_time_us, make_inputs
+
+from fusepass.kernels import launch_scaled_mm
+from fusepass.kernels.configs import (
+    BUILTIN,
+    M_BUCKETS,
+    TABLE_DIR,
+    Config,
+    device_arch,
+    fit,
+    m_bucket,
+    table_key,
+)
+
+
+def _c(bm, bn, bk, warps, stages, group=8):
+    return Config(bm, bn, bk, group_m=group, num_warps=warps, num_stages=stages)
+
+
+# Base tiles per M bucket (index into M_BUCKETS). Decode tiles are short in M and read wide
+# K slices; the large-M tiles are the wgmma shapes of Triton's Hopper matmul tutorials.
+BASE = {
+    0: [_c(16, 32, 128, 4, 4), _c(16, 64, 128, 4, 4), _c(16, 128, 128, 4, 4),
+        _c(16, 32, 256, 4, 3), _c(16, 64, 256, 4, 3), _c(16, 128, 256, 4, 3)],
+    1: [_c(32, 64, 128, 4, 4), _c(64, 64, 128, 4, 4), _c(64, 128, 128, 4, 4),
+        _c(64, 64, 256, 4, 3), _c(64, 128, 256, 4, 3), _c(64, 256, 128, 8, 3)],
+    2: [_c(64, 128, 128, 4, 4), _c(64, 256, 128, 8, 3), _c(128, 128, 128, 8, 3),
+        _c(128, 64, 128, 4, 4), _c(128, 256, 128, 8, 3)],
+}
+BASE[3] = BASE[4] = BASE[5] = [
+    _c(128, 128, 128, 8, 3), _c(128, 128, 128, 8, 4), _c(128, 256, 128, 8, 3),
+    _c(256, 128, 128, 8, 3), _c(128, 256, 64, 8, 4), _c(128, 128, 128, 4, 4),
+]
+SPLITS = (2, 4, 8)
+STAGES = (2, 3, 4, 5)
+
+
+def base_candidates(bucket: int) -> list[Config]:
+    return [Config(**{**c.as_dict(), "tma": tma}) for c in BASE[bucket] for tma in (False, True)]
+
+
+def _compile(job) -> None:
+    """Compile (and run once) one candidate on a small M, filling Triton's disk cache."""
+    dtype, cfg, N, K = job
+    t = make_inputs(dtype, 16, N, K, torch.Generator(device="cuda").manual_seed(0))
+    try:
+        launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], config=Config(**cfg))
+        torch.cuda.synchronize()
+    except Exception as e:  # tune_shape skips it with the same message
+        print(f"    compile of {cfg} failed: {type(e).__name__}", file=sys.stderr, flush=True)
+
+
+def precompile(dtypes, buckets, shapes, log) -> None:
+    """Compile every base candidate in parallel processes: Triton compiles one kernel at a
+    time per process, and tuning ~100 kernels serially spent most of its time compiling."""
+    jobs = {}
+    for dtype in dtypes:
+        for bucket in buckets:
+            for N, K in shapes:
+                for cfg in [BUILTIN[bucket], *base_candidates(bucket)]:
+                    jobs.setdefault((dtype, fit(cfg, N, K), N % 16 == 0, K % 16 == 0), (dtype, fit(cfg, N, K).as_dict(), N, K))
+    workers = min(12, os.cpu_count() or 1)
+    log(f"compiling {len(jobs)} kernels in {workers} processes")
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+        list(pool.map(_compile, jobs.values()))
+
+
+def bucket_m(bucket: int) -> int:
+    return M_BUCKETS[bucket] or 16384
+
+
+def time_config(cfg: Config, sets: list, copies: int) -> float:
+    def make_call(i):
+        t = sets[i]
+        return lambda: launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], config=cfg)
+    return graph_time_us(make_call, copies)
+
+
+def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> dict:
+    """us of every candidate at one (dtype, bucket, N, K): {Config: us}."""
+    M = bucket_m(bucket)
+    copies = max(1, min(64, math.ceil(3 * l2_bytes / (M * K + N * K))))
+    g = torch.Generator(device="cuda").manual_seed(M + N + K)
+    sets = [make_inputs(dtype, M, N, K, g) for _ in range(copies)]
+    t = sets[0]
+    ref = launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], config=fit(BUILTIN[bucket], N, K))
+    results: dict[Config, float] = {}
+
+    def trial(cfg: Config):
+        cfg = fit(cfg, N, K)
+        if cfg in results:
+            return
+        try:
+            out = launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], config=cfg)
+            # int8 sums exactly; fp8 split-K adds its slices in another order.
+            torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+            results[cfg] = time_config(cfg, sets, copies)
+        except Exception as e:  # too much shared memory, a mismatch: reported, never chosen
+            log(f"    skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+
+    trial(BUILTIN[bucket])
+    for cfg in base_candidates(bucket):
+        trial(cfg)
+    best = min(results, key=results.get)
+    if bucket <= 2:
+        for split in SPLITS:
+            trial(Config(**{**best.as_dict(), "split_k": split}))
+    best = min(results, key=results.get)
+    for stages in STAGES:
+        trial(Config(**{**best.as_dict(), "num_stages": stages}))
+    return results
+
+
+def pick_default(bucket: int, per_shape: dict) -> tuple[Config, float]:
+    """The base candidate with the best geomean of (its time / the shape's best time) over
+    the tuned shapes: the config for shapes the table has not seen."""
+    def score(cfg):
+        ratios = [r.get(fit(cfg, N, K), math.inf) / min(r.values()) for (N, K), r in per_shape.items()]
+        return math.exp(sum(map(math.log, ratios)) / len(ratios))
+    best = min(base_candidates(bucket), key=score)
+    return best, score(best)
+
+
+def save(table: dict, out: str, argv) -> None:
+    table["meta"] = {
+        "gpu": torch.cuda.get_device_name(), "arch": device_arch(torch.device("cuda")),
+        "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
+        "command": "python benchmarks/tune.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "timing": f"median of {bench_linear.REPLAYS} CUDA-graph replays, rotating inputs > 3x L2",
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(table, f, indent=1, sort_keys=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="8b,70b", help="comma list of: " + ", ".join(SHAPES))
+    p.add_argument("--dtypes", default="int8,fp8")
+    p.add_argument("--buckets", default=",".join(str(bucket_m(b)) for b in range(len(M_BUCKETS))),
+                   help="M values; each tunes the bucket that holds it")
+    p.add_argument("--replays", type=int, default=10, help="graph replays per candidate (median)")
+    p.add_argument("--no-precompile", action="store_true", help="compile in this process only")
+    p.add_argument("--out", default=None, help="table path (default: fusepass/kernels/tuned/<arch>.json)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    shapes = [s for name in args.shapes.split(",") for s in SHAPES[name]]
+    buckets = sorted({m_bucket(int(m)) for m in args.buckets.split(",")})
+    dtypes = args.dtypes.split(",")
+    arch = device_arch(torch.device("cuda"))
+    out = args.out or str(TABLE_DIR / f"{arch}.json")
+    table = {"defaults": {}, "shapes": {}}
+    if os.path.exists(out):
+        with open(out) as f:
+            table = json.load(f)
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    t0 = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.0f} s] {msg}", flush=True)
+
+    bench_linear.REPLAYS = args.replays
+    if not args.no_precompile:
+        precompile(dtypes, buckets, shapes, log)
+    todo = len(dtypes) * len(buckets) * len(shapes)
+    done = 0
+    for dtype in dtypes:
+        for bucket in buckets:
+            per_shape = {}
+            for N, K in shapes:
+                results = tune_shape(dtype, bucket, N, K, l2, log)
+                best = min(results, key=results.get)
+                base = fit(BUILTIN[bucket], N, K)
+                per_shape[(N, K)] = results
+                table["shapes"][table_key(dtype, bucket, N, K)] = {
+                    "config": best.as_dict(), "us": round(results[best], 2),
+                    "builtin_us": round(results[base], 2) if base in results else None,
+                    "candidates": len(results),
+                }
+                done += 1
+                log(f"{done}/{todo} {dtype} M={bucket_m(bucket)} N={N} K={K}: {results[best]:.1f} us "
+                    f"({results.get(base, math.nan) / results[best]:.2f}x faster than the built-in default) {best}")
+            default, score = pick_default(bucket, per_shape)
+            table["defaults"][table_key(dtype, bucket)] = {"config": default.as_dict(), "geomean_vs_best": round(score, 3)}
+            log(f"default {table_key(dtype, bucket)}: {default} ({score:.3f}x the per-shape best, geomean)")
+            save(table, out, argv)  # after every bucket: a cut-short run keeps what it measured
+    log(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
