@@ -1,6 +1,6 @@
 """Offline tuning of the fused GEMM's launch configs: writes fusepass/kernels/tuned/<arch>.json.
 
-    python benchmarks/tune.py                          # 8 Llama shapes, every M bucket, int8 + fp8
+    python benchmarks/tune.py                          # 8 Llama shapes, every M bucket, every dtype
     python benchmarks/tune.py --shapes 8b --dtypes int8 --buckets 16,4096 --out /tmp/t.json
 
 For each dtype, M bucket (timed at its largest M; the last bucket at 16384) and (N, K),
@@ -50,15 +50,17 @@ def _c(bm, bn, bk, warps, stages, group=8):
 
 # Base tiles per M bucket (index into M_BUCKETS). Decode tiles are short in M and read wide
 # K slices; the large-M tiles are the wgmma shapes of Triton's Hopper matmul tutorials.
+DECODE = [_c(16, 32, 128, 4, 4), _c(16, 64, 128, 4, 4), _c(16, 128, 128, 4, 4),
+    _c(16, 32, 256, 4, 3), _c(16, 64, 256, 4, 3), _c(16, 128, 256, 4, 3)]
 BASE = {
-    0: [_c(16, 32, 128, 4, 4), _c(16, 64, 128, 4, 4), _c(16, 128, 128, 4, 4),
-        _c(16, 32, 256, 4, 3), _c(16, 64, 256, 4, 3), _c(16, 128, 256, 4, 3)],
-    1: [_c(32, 64, 128, 4, 4), _c(64, 64, 128, 4, 4), _c(64, 128, 128, 4, 4),
+    0: DECODE,
+    1: DECODE,
+    2: [_c(32, 64, 128, 4, 4), _c(64, 64, 128, 4, 4), _c(64, 128, 128, 4, 4),
         _c(64, 64, 256, 4, 3), _c(64, 128, 256, 4, 3), _c(64, 256, 128, 8, 3)],
-    2: [_c(64, 128, 128, 4, 4), _c(64, 256, 128, 8, 3), _c(128, 128, 128, 8, 3),
+    3: [_c(64, 128, 128, 4, 4), _c(64, 256, 128, 8, 3), _c(128, 128, 128, 8, 3),
         _c(128, 64, 128, 4, 4), _c(128, 256, 128, 8, 3)],
 }
-BASE[3] = BASE[4] = BASE[5] = [
+BASE[4] = BASE[5] = BASE[6] = [
     _c(128, 128, 128, 8, 3), _c(128, 128, 128, 8, 4), _c(128, 256, 128, 8, 3),
     _c(256, 128, 128, 8, 3), _c(128, 256, 64, 8, 4), _c(128, 128, 128, 4, 4),
 ]
@@ -70,12 +72,22 @@ def base_candidates(bucket: int) -> list[Config]:
     return [Config(**{**c.as_dict(), "tma": tma}) for c in BASE[bucket] for tma in (False, True)]
 
 
+def run(t: dict, dtype: str, cfg: Config) -> torch.Tensor:
+    """One call on bench_linear inputs; "int8_azp" tunes the per-token zero point."""
+    azp = (t["adj"], t["azp"]) if dtype == "int8_azp" else (None, None)
+    return launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], *azp, config=cfg)
+
+
+def inputs(dtype: str, M: int, N: int, K: int, g: torch.Generator) -> dict:
+    return make_inputs("int8" if dtype == "int8_azp" else dtype, M, N, K, g)
+
+
 def _compile(job) -> None:
-    """Compile (and run once) one candidate on a small M, filling Triton's disk cache."""
-    dtype, cfg, N, K = job
-    t = make_inputs(dtype, 16, N, K, torch.Generator(device="cuda").manual_seed(0))
+    """Compile (and run once) one candidate, filling Triton's disk cache. M is 1 or 16:
+    Triton compiles M == 1 apart and every other multiple of 16 alike."""
+    dtype, cfg, M, N, K = job
     try:
-        launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], config=Config(**cfg))
+        run(inputs(dtype, M, N, K, torch.Generator(device="cuda").manual_seed(0)), dtype, Config(**cfg))
         torch.cuda.synchronize()
     except Exception as e:  # tune_shape skips it with the same message
         print(f"    compile of {cfg} failed: {type(e).__name__}", file=sys.stderr, flush=True)
@@ -89,7 +101,9 @@ def precompile(dtypes, buckets, shapes, log) -> None:
         for bucket in buckets:
             for N, K in shapes:
                 for cfg in [BUILTIN[bucket], *base_candidates(bucket)]:
-                    jobs.setdefault((dtype, fit(cfg, N, K), N % 16 == 0, K % 16 == 0), (dtype, fit(cfg, N, K).as_dict(), N, K))
+                    M = min(16, bucket_m(bucket))
+                    key = (dtype, fit(cfg, N, K), M, N % 16 == 0, K % 16 == 0)
+                    jobs.setdefault(key, (dtype, fit(cfg, N, K).as_dict(), M, N, K))
     workers = min(12, os.cpu_count() or 1)
     log(f"compiling {len(jobs)} kernels in {workers} processes")
     ctx = multiprocessing.get_context("spawn")
@@ -101,11 +115,8 @@ def bucket_m(bucket: int) -> int:
     return M_BUCKETS[bucket] or 16384
 
 
-def time_config(cfg: Config, sets: list, copies: int) -> float:
-    def make_call(i):
-        t = sets[i]
-        return lambda: launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], config=cfg)
-    return graph_time_us(make_call, copies)
+def time_config(dtype: str, cfg: Config, sets: list, copies: int) -> float:
+    return graph_time_us(lambda i: (lambda t=sets[i]: run(t, dtype, cfg)), copies)
 
 
 def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> dict:
@@ -113,9 +124,9 @@ def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> d
     M = bucket_m(bucket)
     copies = max(1, min(64, math.ceil(3 * l2_bytes / (M * K + N * K))))
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
-    sets = [make_inputs(dtype, M, N, K, g) for _ in range(copies)]
+    sets = [inputs(dtype, M, N, K, g) for _ in range(copies)]
     t = sets[0]
-    ref = launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], config=fit(BUILTIN[bucket], N, K))
+    ref = run(t, dtype, fit(BUILTIN[bucket], N, K))
     results: dict[Config, float] = {}
 
     def trial(cfg: Config):
@@ -123,10 +134,10 @@ def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> d
         if cfg in results:
             return
         try:
-            out = launch_scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"], config=cfg)
+            out = run(t, dtype, cfg)
             # int8 sums exactly; fp8 split-K adds its slices in another order.
             torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
-            results[cfg] = time_config(cfg, sets, copies)
+            results[cfg] = time_config(dtype, cfg, sets, copies)
         except Exception as e:  # too much shared memory, a mismatch: reported, never chosen
             log(f"    skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
@@ -134,7 +145,7 @@ def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> d
     for cfg in base_candidates(bucket):
         trial(cfg)
     best = min(results, key=results.get)
-    if bucket <= 2:
+    if bucket_m(bucket) <= 256:
         for split in SPLITS:
             trial(Config(**{**best.as_dict(), "split_k": split}))
     best = min(results, key=results.get)
@@ -168,7 +179,7 @@ def save(table: dict, out: str, argv) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default="8b,70b", help="comma list of: " + ", ".join(SHAPES))
-    p.add_argument("--dtypes", default="int8,fp8")
+    p.add_argument("--dtypes", default="int8,fp8,int8_azp", help="int8_azp: int8 with a per-token zero point")
     p.add_argument("--buckets", default=",".join(str(bucket_m(b)) for b in range(len(M_BUCKETS))),
                    help="M values; each tunes the bucket that holds it")
     p.add_argument("--replays", type=int, default=10, help="graph replays per candidate (median)")

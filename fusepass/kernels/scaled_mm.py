@@ -231,7 +231,7 @@ def launch_scaled_mm(
         return out
     scale_a, scale_b = _flat(scale_a), _flat(scale_b)
     bias, azp_adj, azp = _flat(bias), _flat(azp_adj), _flat(azp)
-    cfg = config or select_config(M, N, K, a.dtype, a.device)
+    cfg = config or select_config(M, N, K, a.dtype, a.device, azp=azp_adj is not None)
     tma = _tma_operands(a, b, cfg) if cfg.tma else None
     epilogue = dict(
         SCALE_A_PER_TOKEN=scale_a.numel() > 1,

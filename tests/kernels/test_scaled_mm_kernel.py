@@ -148,18 +148,32 @@ def test_config_table_lookup(table_dir):
         "shapes": {"fp8,M<=16,4096,4096": {"config": tuned.as_dict(), "us": 1.0}},
         "defaults": {"fp8,M<=16": {"config": default.as_dict()}},
     }))
-    assert configs._config(0, 4096, 4096, "fp8", "sm90") == tuned  # tuned shape
-    assert configs._config(0, 4096, 8192, "fp8", "sm90") == default  # unseen shape: bucket default
-    assert configs._config(0, 4096, 4096, "int8", "sm90") == configs.BUILTIN[0]  # other dtype
-    assert configs._config(3, 4096, 4096, "fp8", "sm90") == configs.BUILTIN[3]  # other bucket
-    assert configs._config(0, 4096, 4096, "fp8", "sm80") == configs.BUILTIN[0]  # no table
-    assert configs._config(0, 4096, 4096, "fp8", None) == configs.BUILTIN[0]  # interpreter
+    b16, b1 = configs.m_bucket(16), configs.m_bucket(1)
+    assert configs._config(b16, 4096, 4096, "fp8", "sm90") == tuned  # tuned shape
+    assert configs._config(b16, 4096, 8192, "fp8", "sm90") == default  # unseen shape: bucket default
+    assert configs._config(b16, 4096, 4096, "int8", "sm90") == configs.BUILTIN[b16]  # other dtype
+    assert configs._config(b1, 4096, 4096, "fp8", "sm90") == configs.BUILTIN[b1]  # other bucket
+    assert configs._config(b16, 4096, 4096, "fp8", "sm80") == configs.BUILTIN[b16]  # no table
+    assert configs._config(b16, 4096, 4096, "fp8", None) == configs.BUILTIN[b16]  # interpreter
+
+
+def test_config_table_azp_falls_back_to_int8(table_dir):
+    plain, azp, azp_default = Config(16, 32, 128), Config(16, 64, 256), Config(16, 128, 128)
+    (table_dir / "sm90.json").write_text(json.dumps({
+        "shapes": {"int8,M<=16,64,64": {"config": plain.as_dict()}, "int8_azp,M<=16,256,512": {"config": azp.as_dict()}},
+        "defaults": {"int8_azp,M<=16": {"config": azp_default.as_dict()}},
+    }))
+    b16 = configs.m_bucket(16)
+    assert configs._config(b16, 256, 512, "int8_azp", "sm90") == azp
+    assert configs._config(b16, 64, 64, "int8_azp", "sm90") == configs.fit(plain, 64, 64)  # int8's tuned shape
+    assert configs._config(b16, 256, 256, "int8_azp", "sm90") == azp_default
+    assert configs._config(b16, 256, 256, "int8", "sm90") == configs.BUILTIN[b16]
 
 
 def test_config_buckets():
-    assert [configs.bucket_name(configs.m_bucket(m)) for m in (1, 16, 17, 4096, 4097, 10**6)] == [
-        "M<=16", "M<=16", "M<=64", "M<=4096", "M>4096", "M>4096"]
-    assert configs.table_key("int8", 1, 10, 20) == "int8,M<=64,10,20"
+    assert [configs.bucket_name(configs.m_bucket(m)) for m in (1, 2, 16, 17, 4096, 4097, 10**6)] == [
+        "M<=1", "M<=16", "M<=16", "M<=64", "M<=4096", "M>4096", "M>4096"]
+    assert configs.table_key("int8", configs.m_bucket(64), 10, 20) == "int8,M<=64,10,20"
 
 
 def test_config_fit_shrinks_split_k():
