@@ -4,8 +4,10 @@ Load-time requirement: the package calls ``fusepass::scaled_mm`` through AOTIndu
 proxy executor, so the loading process must ``import fusepass`` (Python ops, registered
 on import) before ``torch._inductor.aoti_load_package``.
 
-Runs the CPU package. A CUDA package compiles and holds the fused ops too, but torch 2.11's
-``aoti_load_package`` segfaulted loading it (inside ``_load_aoti``, H200, 2026-11-21).
+Runs the CPU package. On torch 2.11 the load itself segfaults in ``aoti_load_package``
+(``_load_aoti``): a CUDA package on an H200 and the CPU package on an H100 machine
+(exit -11, 2026-11-21); there the test checks the compiled package only. torch 2.13 loads
+and runs it.
 """
 
 import json
@@ -15,6 +17,7 @@ import sys
 import textwrap
 import zipfile
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -38,6 +41,8 @@ def test_export_aoti_package_runs_fused(tmp_path):
     targets = [node["node"]["target"] for g in graph for node in g["nodes"]]
     assert targets.count("fusepass::scaled_mm") == 2
 
+    if torch.__version__ < (2, 12):
+        pytest.skip("torch 2.11's aoti_load_package segfaults loading a package that calls a Python custom op")
     torch.save({"x": x.cpu(), "ref": model(x).detach().cpu()}, tmp_path / "io.pt")
     code = textwrap.dedent(f"""
         import torch
