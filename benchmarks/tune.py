@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -69,7 +70,7 @@ STAGES = (2, 3, 4, 5)
 
 
 def base_candidates(bucket: int) -> list[Config]:
-    return [Config(**{**c.as_dict(), "tma": tma}) for c in BASE[bucket] for tma in (False, True)]
+    return [replace(c, tma=tma) for c in BASE[bucket] for tma in (False, True)]
 
 
 def run(t: dict, dtype: str, cfg: Config) -> torch.Tensor:
@@ -147,10 +148,10 @@ def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> d
     best = min(results, key=results.get)
     if bucket_m(bucket) <= 256:
         for split in SPLITS:
-            trial(Config(**{**best.as_dict(), "split_k": split}))
+            trial(replace(best, split_k=split))
     best = min(results, key=results.get)
     for stages in STAGES:
-        trial(Config(**{**best.as_dict(), "num_stages": stages}))
+        trial(replace(best, num_stages=stages))
     return results
 
 

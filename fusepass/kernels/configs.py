@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -113,12 +113,16 @@ def _config(bucket: int, N: int, K: int, dtype: str, arch: str | None) -> Config
     return fit(cfg, N, K)
 
 
+@functools.cache
+def pointer_loads(cfg: Config) -> Config:
+    """``cfg`` loading through pointers instead of TMA (the same tiles, the same bits)."""
+    return replace(cfg, tma=False)
+
+
 def fit(cfg: Config, N: int, K: int) -> Config:
     """``cfg`` with tiles shrunk to a small N or K (so ragged shapes waste no whole tile)."""
     # tl.dot needs every block dim >= 16 (>= 32 along K for 8-bit inputs).
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(N)))
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
     split_k = max(1, min(cfg.split_k, triton.cdiv(K, block_k)))
-    if (block_n, block_k, split_k) == (cfg.block_n, cfg.block_k, cfg.split_k):
-        return cfg
-    return Config(**{**cfg.as_dict(), "block_n": block_n, "block_k": block_k, "split_k": split_k})
+    return replace(cfg, block_n=block_n, block_k=block_k, split_k=split_k)

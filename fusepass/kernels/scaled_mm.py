@@ -19,14 +19,12 @@ so every variant compiles to straight-line code. Two more constexprs pick the ma
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .configs import Config, select_config
+from .configs import Config, pointer_loads, select_config
 
 
 @triton.jit
@@ -217,7 +215,7 @@ def _table_config(M: int, N: int, K: int, a: torch.Tensor, azp: bool) -> Config:
     (bit-identical results)."""
     cfg = select_config(M, N, K, a.dtype, a.device, azp=azp)
     if cfg.tma and M <= 64 and a.is_cuda and not torch.cuda.is_current_stream_capturing():
-        return dataclasses.replace(cfg, tma=False)
+        return pointer_loads(cfg)
     return cfg
 
 
