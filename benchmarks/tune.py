@@ -41,6 +41,7 @@ from fusepass.kernels.configs import (
     device_arch,
     fit,
     m_bucket,
+    pointer_loads_only,
     table_key,
 )
 
@@ -70,7 +71,8 @@ STAGES = (2, 3, 4, 5)
 
 
 def base_candidates(bucket: int) -> list[Config]:
-    return [replace(c, tma=tma) for c in BASE[bucket] for tma in (False, True)]
+    loads = (False,) if pointer_loads_only(bucket) else (False, True)
+    return [replace(c, tma=tma) for c in BASE[bucket] for tma in loads]
 
 
 def run(t: dict, dtype: str, cfg: Config) -> torch.Tensor:

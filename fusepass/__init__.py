@@ -8,7 +8,7 @@ Three ways in: ``torch.compile(model, backend="fusepass")``;
 
 from .backend import fusepass_backend, inductor_options
 from .explain import Report, explain
-from .ops import scaled_mm, scaled_mm_azp
+from .ops import int_mm, scaled_mm, scaled_mm_azp
 from .passes import FusePass, PassConfig
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "explain",
     "fusepass_backend",
     "inductor_options",
+    "int_mm",
     "scaled_mm",
     "scaled_mm_azp",
 ]

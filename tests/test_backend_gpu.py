@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 from tests.models import MLP
 
@@ -57,6 +58,20 @@ def test_dynamic_m_without_recompiles(dtype):
                 x = _x(tokens, seed=tokens)
                 _check(compiled(x), model(x), exact(x.double()))
     assert counters["fusepass"] == {CASES[dtype]: 2}
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_inductor_launches_the_kernels_itself(dynamic):
+    """No fusepass op call (Python dispatch) is left in the compiled code: Inductor's own
+    wrapper launches scaled_mm_kernel. With a symbolic M it branches on M's bucket."""
+    model = MLP().cuda().eval()
+    with torch.no_grad():
+        _, (code, *_) = run_and_get_code(torch.compile(model, backend="fusepass", dynamic=dynamic), _x(64))
+    assert "torch.ops.fusepass" not in code and "_int_mm" not in code
+    assert "scaled_mm_kernel" in code
+    if dynamic:  # one kernel per distinct bucket config, chosen by a host-side if on M
+        assert code.count("BLOCK_M : tl.constexpr") >= 2 or code.count("def scaled_mm_kernel") >= 2, code
+        assert " <= 16" in code or " <= 64" in code, code
 
 
 def test_reduce_overhead_cuda_graphs():

@@ -3,12 +3,14 @@
 ``select_config`` looks up ``tuned/<arch>.json`` (written offline by
 ``benchmarks/tune.py``) by (dtype, M bucket, N, K); an unseen (N, K) takes the bucket's
 tuned default (the config with the best geomean over the tuned shapes), and an
-architecture without a table takes the built-in defaults below. Nothing is timed at run
-time, so the ops stay cheap to call and capture into CUDA graphs.
+architecture without a table takes the built-in defaults below. ``bucket_choices`` gives
+every bucket's config for one (N, K), for a launch whose M is only known at run time.
+Nothing is timed at run time, so the ops stay cheap to call and capture into CUDA graphs.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from dataclasses import asdict, dataclass, replace
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 import triton
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 TABLE_DIR = Path(__file__).with_name("tuned")
 
@@ -34,11 +37,18 @@ class Config:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # programs along K; > 1 adds a small reduction kernel
-    tma: bool = False  # TMA descriptor loads where the operand layout allows them
+    tma: bool = False  # TMA loads (device-made descriptors) where the operand layout allows them
 
     def as_dict(self) -> dict:
         return asdict(self)
 
+
+# Buckets up to this M load through pointers, never TMA. Their launches are host-bound
+# outside CUDA graphs, and a TMA launch costs more host time: Triton allocates scratch
+# memory for the device-made descriptors on each one (TMA_HOST_NOTE). In CUDA graphs, TMA
+# changed these kernels' GPU time by -10%..+15% at M = 1..64 (H200, 12 decode shapes:
+# benchmarks/NOTES.md, run 4).
+POINTER_LOADS_MAX_M = 64
 
 # Without a table: small M (decode) is bound by reading the weight, so its tiles are short
 # in M and wide in K; large M is compute-bound and takes 128x128 tiles.
@@ -55,7 +65,7 @@ BUILTIN = (
 
 def m_bucket(M: int) -> int:
     """Index into M_BUCKETS of the bucket holding M."""
-    return next(i for i, top in enumerate(M_BUCKETS) if top is None or M <= top)
+    return bisect.bisect_left(M_BUCKETS, M, hi=len(M_BUCKETS) - 1)
 
 
 def bucket_name(bucket: int) -> str:
@@ -86,8 +96,9 @@ def load_table(arch: str) -> dict:
 
 @functools.cache  # on every launch: ask the driver once per device
 def device_arch(device: torch.device) -> str | None:
-    """"sm90"-style name of a CUDA device; None elsewhere (Triton's CPU interpreter)."""
-    if device.type != "cuda":
+    """"sm90"-style name of a CUDA device; None elsewhere (Triton's CPU interpreter, or a
+    fake CUDA graph traced on a machine without a GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
@@ -99,24 +110,41 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.int8, devic
     return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch)
 
 
-@functools.lru_cache(maxsize=4096)  # on the launch path: 6 us uncached, 0.3 us cached
-def _config(bucket: int, N: int, K: int, dtype: str, arch: str | None) -> Config:
+def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False) -> list:
+    """``[(top, Config)]`` for every M bucket (``top`` its upper bound, None for the last),
+    adjacent buckets with the same config merged. A symbolic N or K (a weight traced with
+    dynamic shapes) takes the buckets' defaults, unshrunk."""
+    N, K = (int(v) if is_concrete_int(v) else None for v in (N, K))
+    arch = device_arch(device)
+    choices = []
+    for bucket, top in enumerate(M_BUCKETS):
+        cfg = _config(bucket, N, K, dtype_name(dtype, azp), arch)
+        if choices and choices[-1][1] == cfg:
+            choices[-1] = (top, cfg)
+        else:
+            choices.append((top, cfg))
+    return choices
+
+
+@functools.lru_cache(maxsize=4096)  # on the eager launch path: 6 us uncached, 0.3 us cached
+def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | None) -> Config:
     cfg = BUILTIN[bucket]
     if arch is not None:
         table = load_table(arch)
         names = (dtype, "int8") if dtype == "int8_azp" else (dtype,)
-        entries = [table["shapes"].get(table_key(name, bucket, N, K)) for name in names]
+        entries = [table["shapes"].get(table_key(name, bucket, N, K)) for name in names] if N and K else []
         entries += [table["defaults"].get(table_key(name, bucket)) for name in names]
         entry = next((e for e in entries if e), None)
         if entry:
             cfg = Config(**entry["config"])
-    return fit(cfg, N, K)
+    if pointer_loads_only(bucket):
+        cfg = replace(cfg, tma=False)
+    return cfg if N is None or K is None else fit(cfg, N, K)
 
 
-@functools.cache
-def pointer_loads(cfg: Config) -> Config:
-    """``cfg`` loading through pointers instead of TMA (the same tiles, the same bits)."""
-    return replace(cfg, tma=False)
+def pointer_loads_only(bucket: int) -> bool:
+    top = M_BUCKETS[bucket]
+    return top is not None and top <= POINTER_LOADS_MAX_M
 
 
 def fit(cfg: Config, N: int, K: int) -> Config:

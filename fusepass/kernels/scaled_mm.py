@@ -3,11 +3,15 @@ whole dequantization epilogue in registers and one write of the output.
 
     out[m, n] = scale_a[m] * scale_b[n] * (acc[m, n] - azp[m] * azp_adj[n]) + bias[n]
 
-Each epilogue variant (scale granularity, bias, zero point) is a ``tl.constexpr`` flag,
-so every variant compiles to straight-line code. Two more constexprs pick the main loop:
+Each epilogue variant (scale granularity, bias, zero point, or none: the raw int32
+accumulator of ``fusepass.int_mm``) is a ``tl.constexpr`` flag, so every variant compiles
+to straight-line code. Two more constexprs pick the main loop:
 
-- ``USE_TMA``: ``a`` and ``b.T`` arrive as TMA descriptors (Hopper's bulk tensor copies;
-  needs K-contiguous operands with 16-byte aligned rows), which zero-fill past every edge.
+- ``USE_TMA``: ``a`` and ``b.T`` are read through TMA descriptors (Hopper's bulk tensor
+  copies; K-contiguous operands with 16-byte aligned rows), which zero-fill past every edge.
+  The descriptors are made on the device (``tl.make_tensor_descriptor``): host-side ones
+  cannot be traced into Inductor's code, and Triton 3.6 re-encodes them on every launch
+  (+40-130 us a call on the H100, benchmarks/NOTES.md run 3).
   Otherwise the tiles are pointer loads: row/column offsets are 64-bit, so M*K, K*N and M*N
   may pass 2**31 elements; ragged M and N wrap around (in-bounds loads, results masked at
   the store) and ragged K is masked with zeros.
@@ -15,16 +19,14 @@ so every variant compiles to straight-line code. Two more constexprs pick the ma
   reading; SPLIT_K > 1 programs each sum a slice of K into an int32/fp32 partial buffer,
   and ``splitk_epilogue_kernel`` adds the slices in a fixed order (deterministic) and runs
   the epilogue.
+
+``launch`` (in ``launch.py``) chooses the configuration and launches these kernels.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
-
-from .configs import Config, pointer_loads, select_config
 
 
 @triton.jit
@@ -33,8 +35,10 @@ def _epilogue(
     offs_m, offs_n,  # (BLOCK_M,), (BLOCK_N,) int64, already wrapped into range
     scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, AZP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
 ):
+    if RAW_ACC:  # fusepass.int_mm: the accumulator itself
+        return acc
     # Zero point first, in the accumulator's integer domain when azp/azp_adj are int32
     # (exact, as in vLLM's CUTLASS epilogue); fp32 operands promote it to fp32.
     if AZP == 1:  # per-tensor: azp_adj already holds z_a * colsum(b)
@@ -60,8 +64,8 @@ def _epilogue(
 
 @triton.jit
 def scaled_mm_kernel(
-    # Operands: pointers, or with USE_TMA descriptors of a (M, K) and of b.T (N, K)
-    a, b, out_ptr,  # (M, K), (K, N), (M, N)
+    # Operands
+    a_ptr, b_ptr, out_ptr,  # (M, K), (K, N), (M, N)
     scale_a_ptr, scale_b_ptr,  # (M,) or (1,), (N,) or (1,); fp32
     bias_ptr, azp_adj_ptr, azp_ptr,  # (N,), (N,), (M,); any pointer when unused
     partial_ptr,  # (SPLIT_K, M, N) int32 or fp32 when SPLIT_K > 1; any pointer otherwise
@@ -75,6 +79,7 @@ def scaled_mm_kernel(
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     AZP: tl.constexpr,  # 0: none, 1: per-tensor, 2: per-token
+    RAW_ACC: tl.constexpr,  # no epilogue: store the accumulator
     # Tiling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -103,25 +108,27 @@ def scaled_mm_kernel(
     offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # (BLOCK_M,)
     offs_n = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # (BLOCK_N,)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # (BLOCK_K,)
-    if not USE_TMA:
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])  # (M, K)
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])  # b.T: (N, K)
+    else:
         k0 = k_first.to(tl.int64) * BLOCK_K
-        a_ptrs = a + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
-        b_ptrs = b + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
+        b_ptrs = b_ptr + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
         step_a = tl.cast(stride_ak, tl.int64) * BLOCK_K
         step_b = tl.cast(stride_bk, tl.int64) * BLOCK_K
 
-    if USE_TMA:
-        in_dtype: tl.constexpr = a.dtype
-    else:
-        in_dtype: tl.constexpr = a.dtype.element_ty
+    in_dtype: tl.constexpr = a_ptr.dtype.element_ty
     if in_dtype == tl.int8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kb in range(k_first, k_end):
         if USE_TMA:
-            a_tile = a.load([pid_m * BLOCK_M, kb * BLOCK_K])  # (BLOCK_M, BLOCK_K)
-            b_tile = b.load([pid_n * BLOCK_N, kb * BLOCK_K]).T  # (BLOCK_K, BLOCK_N)
+            a_tile = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])  # (BLOCK_M, BLOCK_K)
+            b_tile = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T  # (BLOCK_K, BLOCK_N)
         else:
             if EVEN_K:
                 a_tile = tl.load(a_ptrs)
@@ -149,7 +156,7 @@ def scaled_mm_kernel(
         x = _epilogue(
             acc, offs_m, offs_n,
             scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
-            SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP,
+            SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,
         )
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
         tl.store(out_ptrs, x.to(out_ptr.dtype.element_ty), mask=mask)
@@ -166,7 +173,7 @@ def splitk_epilogue_kernel(
     M, N,
     stride_om, stride_on,
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, AZP: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -181,112 +188,8 @@ def splitk_epilogue_kernel(
     x = _epilogue(
         acc, offs_m, offs_n,
         scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
-        SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP,
+        SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,
     )
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
              x.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A vector argument as a contiguous 1-D tensor (a view in the usual case)."""
-    return None if t is None else t.reshape(-1).contiguous()
-
-
-def _tma_operands(a: torch.Tensor, b: torch.Tensor, cfg: Config):
-    """TMA descriptors of a (M, K) and b.T (N, K), or None when the layout does not allow
-    them: TMA needs unit stride along K and 16-byte aligned bases and row strides."""
-    if a.stride(1) != 1 or b.stride(0) != 1:
-        return None
-    if any(v % 16 for v in (a.data_ptr(), b.data_ptr(), a.stride(0), b.stride(1))):
-        return None
-    (M, K), N = a.shape, b.shape[1]
-    return (
-        TensorDescriptor(a, [M, K], [a.stride(0), 1], [cfg.block_m, cfg.block_k]),
-        TensorDescriptor(b, [N, K], [b.stride(1), 1], [cfg.block_n, cfg.block_k]),
-    )
-
-
-def _table_config(M: int, N: int, K: int, a: torch.Tensor, azp: bool) -> Config:
-    """The tuned config, without TMA where the launch is host-bound: Triton 3.6 encodes host
-    descriptors on every launch (H100, M=16, outside CUDA graphs: 117 us per call with them
-    vs 77 us without, at N=K=256; 176 vs 46 us at N=K=4096). Under graph capture that is paid
-    once, and at M > 64 the kernel outlasts it; elsewhere the same tiles load through pointers
-    (bit-identical results)."""
-    cfg = select_config(M, N, K, a.dtype, a.device, azp=azp)
-    if cfg.tma and M <= 64 and a.is_cuda and not torch.cuda.is_current_stream_capturing():
-        return pointer_loads(cfg)
-    return cfg
-
-
-def launch_scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    azp_adj: torch.Tensor | None = None,
-    azp: torch.Tensor | None = None,
-    config: Config | None = None,
-) -> torch.Tensor:
-    """Run the fused kernel on validated inputs (K >= 1) and return a new (M, N) tensor.
-
-    ``azp_adj`` alone selects the per-tensor zero point, ``azp_adj`` and ``azp`` the
-    per-token one. ``config`` overrides the tuned launch configuration (tests, tuning).
-    Works on CUDA tensors, and on CPU tensors under TRITON_INTERPRET=1.
-    """
-    M, K = a.shape
-    N = b.shape[1]
-    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    if M == 0 or N == 0:
-        return out
-    scale_a, scale_b = _flat(scale_a), _flat(scale_b)
-    bias, azp_adj, azp = _flat(bias), _flat(azp_adj), _flat(azp)
-    cfg = config or _table_config(M, N, K, a, azp_adj is not None)
-    tma = _tma_operands(a, b, cfg) if cfg.tma else None
-    epilogue = dict(
-        SCALE_A_PER_TOKEN=scale_a.numel() > 1,
-        SCALE_B_PER_CHANNEL=scale_b.numel() > 1,
-        HAS_BIAS=bias is not None,
-        AZP=0 if azp_adj is None else (1 if azp is None else 2),
-    )
-    vectors = (
-        scale_a, scale_b,
-        bias if bias is not None else scale_b,
-        azp_adj if azp_adj is not None else scale_b,
-        azp if azp is not None else scale_a,
-    )
-    partial = out
-    if cfg.split_k > 1:
-        acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
-        partial = torch.empty((cfg.split_k, M, N), dtype=acc_dtype, device=a.device)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
-    scaled_mm_kernel[grid](
-        *(tma or (a, b)), out,
-        *vectors,
-        partial,
-        M, N, K,
-        a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1),
-        **epilogue,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k,
-        USE_TMA=tma is not None,
-        EVEN_K=K % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if cfg.split_k > 1:
-        block_m, block_n = min(16, triton.next_power_of_2(M)), 128
-        splitk_epilogue_kernel[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-            partial, out,
-            *vectors,
-            M, N,
-            out.stride(0), out.stride(1),
-            **epilogue,
-            SPLIT_K=cfg.split_k,
-            BLOCK_M=block_m, BLOCK_N=block_n,
-        )
-    return out

@@ -52,11 +52,12 @@ def _is_vector_of(t: torch.Tensor, length, axis: int) -> bool:
     return False
 
 
-def _check_scale(op: str, name: str, t, length, axis: int, what: str) -> None:
+def _check_scale(op: str, name: str, t, length, axis: int) -> None:
     _check_tensor(op, name, t, (torch.float32,))
     per_tensor = t.numel() == 1 and t.dim() <= 2
     if not (per_tensor or _is_vector_of(t, length, axis)):
         shapes = f"[{length}, 1] or [{length}]" if axis == 0 else f"[1, {length}] or [{length}]"
+        what = f"row of `a` (M = {length})" if axis == 0 else f"column of `b` (N = {length})"
         raise ValueError(
             f"{op}: `{name}` must hold one value (per-tensor) or one per {what}: "
             f"numel 1, or shape {shapes}; got {_describe(t)}"
@@ -81,6 +82,57 @@ def check_gpu(op: str, device: torch.device, dtype: torch.dtype) -> None:
         )
 
 
+def check_out_dtype(op: str, out_dtype) -> None:
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in OUT_DTYPES:
+        what = "" if isinstance(out_dtype, torch.dtype) else f" ({type(out_dtype).__name__}, not a torch.dtype)"
+        raise TypeError(f"{op}: `out_dtype` must be one of {_names(OUT_DTYPES)}; got {out_dtype!r}{what}")
+
+
+def _check_operands(op: str, a, b, in_dtypes) -> tuple:
+    """``a`` [M, K] and ``b`` [K, N] of one supported dtype; returns (M, K, N)."""
+    _check_tensor(op, "a", a, in_dtypes)
+    _check_tensor(op, "b", b, in_dtypes)
+    if b.dtype != a.dtype:
+        raise TypeError(f"{op}: `b` must have the dtype of `a` ({a.dtype}); got {_describe(b)}")
+    if a.dim() != 2:
+        raise ValueError(f"{op}: `a` must be 2-D [M, K]; got {_describe(a)}")
+    if b.dim() != 2:
+        raise ValueError(f"{op}: `b` must be 2-D [K, N]; got {_describe(b)}")
+    M, K = a.shape
+    if b.shape[0] != K:
+        raise ValueError(
+            f"{op}: `b` must be [K, N] with K = {K} (from `a` {tuple(a.shape)}); "
+            f"got b of shape {tuple(b.shape)}"
+        )
+    return M, K, b.shape[1]
+
+
+def _check_devices(op: str, tensors: dict) -> None:
+    a = tensors["a"]
+    for name, t in tensors.items():
+        if t.device != a.device:
+            raise ValueError(
+                f"{op}: all tensors must be on one device; `a` is on {a.device} "
+                f"but `{name}` is on {t.device}"
+            )
+
+
+def _check_k(op: str, K, max_k: int) -> None:
+    if K > max_k:
+        raise ValueError(
+            f"{op}: K = {K} is too large for exact int32 accumulation of int8 products "
+            f"(at most {max_k}); split K and add the partial results"
+        )
+
+
+def check_int_mm_args(op: str, a, b) -> None:
+    """Validate the arguments of ``int_mm``."""
+    _, K, _ = _check_operands(op, a, b, (torch.int8,))
+    _check_devices(op, {"a": a, "b": b})
+    _check_k(op, K, MAX_K_INT8)
+    check_gpu(op, a.device, a.dtype)
+
+
 def check_scaled_mm_args(
     op: str,
     a,
@@ -95,26 +147,10 @@ def check_scaled_mm_args(
     with_azp: bool = False,
 ) -> None:
     """Validate the arguments of ``scaled_mm`` (``with_azp=False``) or ``scaled_mm_azp``."""
-    in_dtypes = (torch.int8,) if with_azp else INPUT_DTYPES
-    _check_tensor(op, "a", a, in_dtypes)
-    _check_tensor(op, "b", b, in_dtypes)
-    if b.dtype != a.dtype:
-        raise TypeError(f"{op}: `b` must have the dtype of `a` ({a.dtype}); got {_describe(b)}")
-    if a.dim() != 2:
-        raise ValueError(f"{op}: `a` must be 2-D [M, K]; got {_describe(a)}")
-    if b.dim() != 2:
-        raise ValueError(f"{op}: `b` must be 2-D [K, N]; got {_describe(b)}")
-    M, K = a.shape
-    N = b.shape[1]
-    if b.shape[0] != K:
-        raise ValueError(
-            f"{op}: `b` must be [K, N] with K = {K} (from `a` {tuple(a.shape)}); "
-            f"got b of shape {tuple(b.shape)}"
-        )
-    if not isinstance(out_dtype, torch.dtype) or out_dtype not in OUT_DTYPES:
-        raise TypeError(f"{op}: `out_dtype` must be one of {_names(OUT_DTYPES)}; got {out_dtype}")
-    _check_scale(op, "scale_a", scale_a, M, 0, f"row of `a` (M = {M})")
-    _check_scale(op, "scale_b", scale_b, N, 1, f"column of `b` (N = {N})")
+    M, K, N = _check_operands(op, a, b, (torch.int8,) if with_azp else INPUT_DTYPES)
+    check_out_dtype(op, out_dtype)
+    _check_scale(op, "scale_a", scale_a, M, 0)
+    _check_scale(op, "scale_b", scale_b, N, 1)
     tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b}
     if bias is not None:
         _check_tensor(op, "bias", bias, BIAS_DTYPES)
@@ -136,17 +172,7 @@ def check_scaled_mm_args(
                     f"got {_describe(azp)}"
                 )
             tensors["azp"] = azp
-    for name, t in tensors.items():
-        if t.device != a.device:
-            raise ValueError(
-                f"{op}: all tensors must be on one device; `a` is on {a.device} "
-                f"but `{name}` is on {t.device}"
-            )
+    _check_devices(op, tensors)
     if a.dtype == torch.int8:
-        max_k = MAX_K_INT8_AZP if with_azp else MAX_K_INT8
-        if K > max_k:
-            raise ValueError(
-                f"{op}: K = {K} is too large for exact int32 accumulation of int8 products "
-                f"(at most {max_k}); split K and add the partial results"
-            )
+        _check_k(op, K, MAX_K_INT8_AZP if with_azp else MAX_K_INT8)
     check_gpu(op, a.device, a.dtype)

@@ -1,14 +1,15 @@
-"""The ops ``fusepass::scaled_mm`` and ``fusepass::scaled_mm_azp``: contract and registrations.
+"""The ops ``fusepass::scaled_mm``, ``fusepass::scaled_mm_azp`` and ``fusepass::int_mm``:
+contract and registrations.
 
-Both compute, with ``acc = a @ b`` (int32 for int8, fp32 for fp8) and the epilogue in fp32
-rounded once to ``out_dtype``::
+``scaled_mm`` and ``scaled_mm_azp`` compute, with ``acc = a @ b`` (int32 for int8, fp32
+for fp8) and the epilogue in fp32 rounded once to ``out_dtype``::
 
     out = scale_a * scale_b * (acc - azp * azp_adj) + bias
 
 Arguments (the order of vLLM's ``cutlass_scaled_mm`` / ``cutlass_scaled_mm_azp``):
 
 - ``a`` [M, K] and ``b`` [K, N]: int8, or float8_e4m3fn (``scaled_mm`` only), the same dtype;
-  any strides (``b`` is usually ``w.t()`` of a row-major [N, K] weight).
+  any strides (``b`` is usually ``w.t()`` of a row-major [N, K] weight). Any M >= 0.
 - ``scale_a``: fp32, per-tensor (numel 1: 0-d, [1], [1, 1]) or per-token ([M, 1] or [M]).
 - ``scale_b``: fp32, per-tensor (numel 1) or per-channel ([1, N] or [N]).
 - ``out_dtype``: bfloat16, float16 or float32. ``bias``: [N] in one of those dtypes, or None.
@@ -16,9 +17,17 @@ Arguments (the order of vLLM's ``cutlass_scaled_mm`` / ``cutlass_scaled_mm_azp``
   (then ``azp`` is None), or ``colsum(b)`` with ``azp`` [M] (or [M, 1]), int32 or fp32, the
   per-token zero points. All-int32 zero-point terms are applied exactly in int32.
 
-Returns a new contiguous [M, N] tensor of ``out_dtype``. Each op has a fake implementation
-(metadata only), a CPU implementation (the exact reference in ``reference.py``) and a CUDA
-implementation on the fused Triton kernel (``fusepass.kernels.scaled_mm``).
+Returns a new contiguous [M, N] tensor of ``out_dtype``.
+
+``int_mm(a, b)``: int8 [M, K] x int8 [K, N] -> the exact int32 [M, N] product, at every M
+(``torch._int_mm`` on CUDA needs M > 16 and K, N multiples of 8). The pass routes the int8
+matmuls it cannot fuse here, so a compiled model never stops on them.
+
+Each op is a ``torch.library.triton_op``: its implementation below (input checks, then the
+CPU reference of ``reference.py`` on CPU tensors, or the fused Triton kernel of
+``fusepass.kernels`` on CUDA ones) runs eagerly, serves as the fake implementation on fake
+tensors, and is what Inductor traces into its graph, where the kernels are launched by
+Inductor's own generated code (see ``fusepass.kernels.launch``).
 """
 
 from __future__ import annotations
@@ -26,36 +35,34 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.library import triton_op
 
 from ..kernels import launch_scaled_mm
 from . import reference
-from .checks import check_scaled_mm_args
+from .checks import check_int_mm_args, check_out_dtype, check_scaled_mm_args
 
 Tensor = torch.Tensor
 
 
-def _new_output(a: Tensor, b: Tensor, out_dtype: torch.dtype) -> Tensor:
-    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
-
-
-def _launch(a, b, scale_a, scale_b, out_dtype, bias, azp_adj=None, azp=None) -> Tensor:
-    if a.shape[1] == 0:  # empty sum: only the epilogue of a zero accumulator is left
-        acc = torch.zeros((a.shape[0], b.shape[1]), dtype=torch.int32 if a.dtype == torch.int8 else torch.float32, device=a.device)
+def _compute(a, b, scale_a, scale_b, out_dtype, bias, azp_adj=None, azp=None) -> Tensor:
+    if a.device.type != "cuda":  # CPU (and meta): the exact reference
+        if out_dtype == torch.int32:
+            return reference.accumulate(a, b)
+        if azp_adj is None:
+            return reference.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
+        return reference.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
+    if statically_known_true(a.shape[1] == 0):  # empty sum: only the epilogue of a zero accumulator
+        acc = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
+        if out_dtype == torch.int32:
+            return acc
         if azp_adj is not None:
             acc = reference.zero_point_correction(acc, azp_adj, azp)
         return reference.epilogue(acc, scale_a, scale_b, out_dtype, bias)
-    # Triton launches on the current device; follow the inputs when they live elsewhere.
-    if a.device.index != torch.cuda.current_device():
-        with torch.cuda.device(a.device):
-            return launch_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
     return launch_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
 
 
-# --- scaled_mm ---------------------------------------------------------------------------
-
-
-@torch.library.custom_op("fusepass::scaled_mm", mutates_args=(), device_types="cpu")
-def _scaled_mm(
+def scaled_mm_impl(
     a: Tensor,
     b: Tensor,
     scale_a: Tensor,
@@ -64,26 +71,10 @@ def _scaled_mm(
     bias: Optional[Tensor] = None,
 ) -> Tensor:
     check_scaled_mm_args("fusepass.scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
-    return reference.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
+    return _compute(a, b, scale_a, scale_b, out_dtype, bias)
 
 
-@_scaled_mm.register_fake
-def _(a, b, scale_a, scale_b, out_dtype, bias=None):
-    check_scaled_mm_args("fusepass.scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
-    return _new_output(a, b, out_dtype)
-
-
-@_scaled_mm.register_kernel("cuda")
-def _(a, b, scale_a, scale_b, out_dtype, bias=None):
-    check_scaled_mm_args("fusepass.scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
-    return _launch(a, b, scale_a, scale_b, out_dtype, bias)
-
-
-# --- scaled_mm_azp -----------------------------------------------------------------------
-
-
-@torch.library.custom_op("fusepass::scaled_mm_azp", mutates_args=(), device_types="cpu")
-def _scaled_mm_azp(
+def scaled_mm_azp_impl(
     a: Tensor,
     b: Tensor,
     scale_a: Tensor,
@@ -96,26 +87,41 @@ def _scaled_mm_azp(
     check_scaled_mm_args(
         "fusepass.scaled_mm_azp", a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, with_azp=True
     )
-    return reference.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
+    return _compute(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
 
 
-@_scaled_mm_azp.register_fake
-def _(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None):
-    check_scaled_mm_args(
-        "fusepass.scaled_mm_azp", a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, with_azp=True
-    )
-    return _new_output(a, b, out_dtype)
+def int_mm_impl(a: Tensor, b: Tensor) -> Tensor:
+    check_int_mm_args("fusepass.int_mm", a, b)
+    return _compute(a, b, None, None, torch.int32, None)
 
 
-@_scaled_mm_azp.register_kernel("cuda")
-def _(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None):
-    check_scaled_mm_args(
-        "fusepass.scaled_mm_azp", a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, with_azp=True
-    )
-    return _launch(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
+_ops = {
+    name: triton_op(f"fusepass::{name}", impl, mutates_args=())
+    for name, impl in (("scaled_mm", scaled_mm_impl), ("scaled_mm_azp", scaled_mm_azp_impl), ("int_mm", int_mm_impl))
+}
+
+# The implementation each op's node is lowered to (fusepass.passes.lower).
+IMPLS = {
+    torch.ops.fusepass.scaled_mm.default: scaled_mm_impl,
+    torch.ops.fusepass.scaled_mm_azp.default: scaled_mm_azp_impl,
+    torch.ops.fusepass.int_mm.default: int_mm_impl,
+}
 
 
 # --- Python wrappers ---------------------------------------------------------------------
+
+
+def _plain_eager(*tensors) -> bool:
+    """True where a call may skip the dispatcher and run the implementation directly: eager
+    (not traced, no mode, no functorch transform), plain tensors, nothing that needs
+    autograd. The dispatcher's Python custom-op path costs ~65 us a call on the H200's
+    host (benchmarks/NOTES.md); every input check still runs. Anything else goes through
+    ``torch.ops.fusepass.*``, which also raises the autograd error."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack()):
+        return False
+    grad = torch.is_grad_enabled()
+    return all(t is None or (type(t) is Tensor and not (grad and t.requires_grad)) for t in tensors)
 
 
 def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
@@ -127,6 +133,9 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
     Returns a contiguous [M, N] tensor of out_dtype. int8 accumulates exactly in int32,
     fp8 in fp32; the epilogue runs in fp32. Same as ``torch.ops.fusepass.scaled_mm``.
     """
+    check_out_dtype("fusepass.scaled_mm", out_dtype)
+    if _plain_eager(a, b, scale_a, scale_b, bias):
+        return scaled_mm_impl(a, b, scale_a, scale_b, out_dtype, bias)
     return torch.ops.fusepass.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
 
 
@@ -140,4 +149,15 @@ def scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=Non
     Scales, bias and out_dtype as in :func:`scaled_mm`. Same as
     ``torch.ops.fusepass.scaled_mm_azp``.
     """
+    check_out_dtype("fusepass.scaled_mm_azp", out_dtype)
+    if _plain_eager(a, b, scale_a, scale_b, azp_adj, azp, bias):
+        return scaled_mm_azp_impl(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
     return torch.ops.fusepass.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
+
+
+def int_mm(a, b) -> Tensor:
+    """int8 [M, K] x int8 [K, N] -> exact int32 [M, N], at every M (``torch._int_mm`` on
+    CUDA needs M > 16). Same as ``torch.ops.fusepass.int_mm``."""
+    if _plain_eager(a, b):
+        return int_mm_impl(a, b)
+    return torch.ops.fusepass.int_mm(a, b)

@@ -1,4 +1,6 @@
-"""The fusion pass: Inductor ``CustomGraphPass`` that rewrites quantized matmul epilogues.
+"""The fusion pass: Inductor ``CustomGraphPass`` that rewrites quantized matmul epilogues
+into fusepass op calls (``run``), then lowers those calls to the kernels they launch
+(``lower.py``), so that Inductor's generated code launches them itself.
 
 Hook point: ``post_grad_custom_pre_pass``, i.e. on the functional, decomposed ATen graph,
 before Inductor's own post-grad patterns. Those would otherwise get there first:
@@ -20,14 +22,18 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .graph import Rejected, aten
+from .lower import lower
 from .patterns import PATTERNS
 from .rewrite import emit
 
 log = logging.getLogger("fusepass.pass")
 
-# The rewrite depends on the pass and on the ops' contract: both go into uuid().
+# The compiled graph depends on the pass, the ops' contract and the kernels the ops lower
+# to, with their tuned configs: all go into uuid(), so a changed one misses the FX cache.
 _PKG = Path(__file__).resolve().parent.parent
-_SOURCES = tuple(sorted(str(p) for d in ("passes", "ops") for p in (_PKG / d).rglob("*.py")))
+_SOURCES = tuple(sorted(
+    str(p) for d in ("passes", "ops", "kernels") for p in (_PKG / d).rglob("*") if p.suffix in (".py", ".json")
+))
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,8 @@ class FusePass(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         self.run(graph)
+        if lower(graph):
+            graph.lint()
 
     def run(self, graph: fx.Graph) -> list[Decision]:
         decisions = []

@@ -1,6 +1,7 @@
 """The Triton kernel itself (Triton's interpreter on CPU, the GPU when there is one),
 against the ops' CPU reference, over every epilogue variant and tile path."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from fusepass.kernels import launch_scaled_mm
 from fusepass.kernels import configs
 from fusepass.kernels.configs import Config, select_config
-from fusepass.kernels.scaled_mm import _tma_operands
+from fusepass.kernels.launch import tma_allowed
 from tests.helpers import assert_matches_oracle, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,7 +85,8 @@ def test_kernel_writes_every_element():
     assert torch.isfinite(out).all()
 
 
-# The main-loop paths beside the default: TMA descriptor loads (zero fill past the edges),
+# The main-loop paths beside the default: TMA loads through device-made descriptors (zero
+# fill past the edges),
 # split-K (partial sums + the reduction kernel; split counts that leave empty slices), both.
 PATHS = {
     "tma": Config(16, 32, 32, tma=True),
@@ -118,11 +120,11 @@ def test_tma_falls_back_on_unaligned_layouts():
         p = make_problem(9, 24, 40, device=DEVICE, bias_dtype=torch.float32)
         if layout == "strided":
             p.a = torch.cat([p.a, p.a], dim=1)[:, ::2]
-        assert _tma_operands(p.a, p.b, PATHS["tma"]) is None
+        assert not tma_allowed(p.a, p.b)
         out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, config=PATHS["tma"])
         assert_matches_oracle(out, p, torch.float32)
     p = make_problem(9, 24, 48, device=DEVICE)
-    assert _tma_operands(p.a, p.b, PATHS["tma"]) is not None
+    assert tma_allowed(p.a, p.b)
 
 
 def test_config_covers_small_dims():
@@ -149,12 +151,21 @@ def test_config_table_lookup(table_dir):
         "defaults": {"fp8,M<=16": {"config": default.as_dict()}},
     }))
     b16, b1 = configs.m_bucket(16), configs.m_bucket(1)
-    assert configs._config(b16, 4096, 4096, "fp8", "sm90") == tuned  # tuned shape
+    # tuned shape; host-bound decode buckets load through pointers, never TMA
+    assert configs._config(b16, 4096, 4096, "fp8", "sm90") == dataclasses.replace(tuned, tma=False)
     assert configs._config(b16, 4096, 8192, "fp8", "sm90") == default  # unseen shape: bucket default
     assert configs._config(b16, 4096, 4096, "int8", "sm90") == configs.BUILTIN[b16]  # other dtype
     assert configs._config(b1, 4096, 4096, "fp8", "sm90") == configs.BUILTIN[b1]  # other bucket
     assert configs._config(b16, 4096, 4096, "fp8", "sm80") == configs.BUILTIN[b16]  # no table
     assert configs._config(b16, 4096, 4096, "fp8", None) == configs.BUILTIN[b16]  # interpreter
+
+
+def test_config_tma_only_above_decode_buckets(table_dir):
+    tuned = Config(128, 128, 128, num_warps=8, tma=True)
+    (table_dir / "sm90.json").write_text(json.dumps({"shapes": {}, "defaults": {
+        f"int8,{configs.bucket_name(b)}": {"config": tuned.as_dict()} for b in range(len(configs.M_BUCKETS))}}))
+    for m in (1, 16, 64, 65, 256, 4096, 16384):
+        assert configs._config(configs.m_bucket(m), 4096, 4096, "int8", "sm90").tma == (m > configs.POINTER_LOADS_MAX_M)
 
 
 def test_config_table_azp_falls_back_to_int8(table_dir):

@@ -1,0 +1,232 @@
+"""Choose the fused GEMM's configuration and launch its kernels, in code that runs eagerly
+and traces into Inductor's graphs alike.
+
+Eager (``torch.ops.fusepass.*`` on real tensors): every size is a number, the config is the
+tuned table's for this M, and the kernels launch through Triton.
+
+Traced (an op inlined by ``fusepass.passes.lower`` or decomposed by AOTAutograd, as
+``torch.library.triton_op`` does): the same code runs under ``make_fx`` on fake tensors.
+Each ``wrap_triton`` launch becomes a ``triton_kernel_wrapper`` node that Inductor compiles
+and launches from its own generated code, as it launches its own kernels: no custom-op
+dispatch, no input check and no table lookup per call. With a static M the config is chosen
+at trace time; with a symbolic M it is a chain of ``cond`` on ``M <= bucket top``, so one
+compiled graph runs each M on its own bucket's tiles (a host-side ``if`` in the wrapper).
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch
+import triton
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+from torch.library import wrap_triton
+
+from .configs import Config, bucket_choices, select_config
+from .scaled_mm import scaled_mm_kernel, splitk_epilogue_kernel
+
+ACC_DTYPES = (torch.int32,)  # out_dtype of fusepass.int_mm: the accumulator, no epilogue
+# Under TRITON_INTERPRET=1 the kernels are Python run on the data, not traceable launches:
+# on fake tensors (the ops' fake implementation) there is nothing to run.
+INTERPRETED = type(scaled_mm_kernel).__name__ == "InterpretedFunction"
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Triton's allocator for the device-made TMA descriptors (128 bytes a program)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_allocator() -> None:
+    """Give Triton an allocator where none is set (its default raises at launch). A context
+    variable, so per thread; Inductor sets its own before each of its launches."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+
+
+def _flat(t: torch.Tensor | None, fake: bool) -> torch.Tensor | None:
+    """A vector argument with contiguous elements: itself where it has them (the kernel
+    reads the data pointer; an eager view costs ~3 us), else a contiguous 1-D copy. A
+    traced one is always reshaped: its contiguity may be symbolic, and views cost nothing
+    in a graph."""
+    if t is None or (not fake and t.is_contiguous()):
+        return t
+    return t.reshape(-1).contiguous()
+
+
+def _aligned(t: torch.Tensor, row_stride, fake: bool) -> bool:
+    """16-byte aligned base and rows. On fake tensors the base is judged by the storage
+    offset: Inductor allocates its buffers aligned and copies a misaligned input."""
+    size = t.element_size()
+    if fake:
+        base = statically_known_true(t.storage_offset() * size % 16 == 0)
+    else:
+        base = t.data_ptr() % 16 == 0
+    return base and statically_known_true(row_stride * size % 16 == 0)
+
+
+def tma_allowed(a: torch.Tensor, b: torch.Tensor, fake: bool = False) -> bool:
+    """TMA reads a (M, K) and b.T (N, K): both need unit stride along K, aligned rows."""
+    return (
+        statically_known_true(a.stride(1) == 1) and statically_known_true(b.stride(0) == 1)
+        and _aligned(a, a.stride(0), fake) and _aligned(b, b.stride(1), fake)
+    )
+
+
+def _plain(kernel):
+    return kernel
+
+
+def _traced(t: torch.Tensor) -> bool:
+    """A fake tensor (also under functionalization); is_fake costs ~4 us, a type check 0.1."""
+    return type(t) is not torch.Tensor and is_fake(t)
+
+
+def _per_element(v: torch.Tensor | None) -> bool:
+    return v is not None and not statically_known_true(v.numel() == 1)
+
+
+def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp):
+    """Launch the kernel(s) of one config; returns the new (M, N) output."""
+    M, K = a.shape
+    N = b.shape[1]
+    # Strides spelled out: with a symbolic N, torch.empty's row stride is Max(1, N), which
+    # cond refuses to merge across its branches on torch 2.11 ("not a simple accumulative
+    # multiplication of sizes").
+    out = torch.empty_strided((M, N), (N, 1), dtype=out_dtype, device=a.device)
+    fake = _traced(a)
+    if INTERPRETED and fake:
+        return out
+    tma = cfg.tma and tma_allowed(a, b, fake)
+    if tma and not fake and a.is_cuda:
+        _ensure_allocator()
+    # Unused vector arguments still need a pointer; the constexpr flags keep them unread.
+    vectors = tuple(v if v is not None else a for v in (scale_a, scale_b, bias, azp_adj, azp))
+    partial = a  # unused at SPLIT_K=1; never ``out`` (one tensor as two written arguments
+    # would alias under functionalization)
+    if cfg.split_k > 1:
+        acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
+        partial = torch.empty((cfg.split_k, M, N), dtype=acc_dtype, device=a.device)
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    # Traced: a node Inductor launches. Eager: the kernel itself (wrap_triton outside a
+    # triton_op dispatches through a higher-order op: 400 us a call vs 43 us, H200 host).
+    wrap = wrap_triton if fake else _plain
+    wrap(scaled_mm_kernel)[grid](
+        a, b, out,
+        *vectors,
+        partial,
+        M, N, K,
+        a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1),
+        out.stride(0), out.stride(1),
+        **flags,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        SPLIT_K=cfg.split_k,
+        USE_TMA=tma,
+        EVEN_K=statically_known_true(K % cfg.block_k == 0),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block_m, block_n = 16, 128
+        wrap(splitk_epilogue_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+            partial, out,
+            *vectors,
+            M, N,
+            out.stride(0), out.stride(1),
+            **flags,
+            SPLIT_K=cfg.split_k,
+            BLOCK_M=block_m, BLOCK_N=block_n,
+        )
+    return out
+
+
+# The size symbols of the graph being lowered (SymInts), set by fusepass.passes.lower while
+# it traces an op. Each cond takes them as operands: Inductor compiles its branches as
+# subgraphs, which can compute a size like s0*s1 (the rows of a reshaped 3-D activation)
+# only from symbols passed in.
+GRAPH_SYMBOLS: ContextVar[tuple] = ContextVar("fusepass_graph_symbols", default=())
+
+
+def _by_m(choices: list, run, operands: tuple, symbols: tuple):
+    """``run(cfg, *operands)`` with the config of M's bucket (M = rows of ``operands[0]``).
+
+    ``choices`` holds ``(top, cfg)`` in ascending order, the last top None (no bound).
+    Buckets that M provably skips are dropped; where M is symbolic and more than one
+    remains, a ``cond`` on ``M <= top`` picks at run time."""
+    M = operands[0].shape[0]
+    choices = [(top, cfg) for top, cfg in choices if top is None or not statically_known_true(M > top)]
+    top, cfg = choices[0]
+    if top is None or len(choices) == 1 or statically_known_true(M <= top):
+        return run(cfg, *operands)
+    from torch._higher_order_ops.cond import cond_op
+
+    n = len(operands)
+    # Each branch returns a 1-tuple: Inductor's cond lowering zips the node's value with
+    # the branch outputs, as torch.cond leaves them (a bare tensor fails its stride check).
+    (out,) = cond_op(
+        M <= top,
+        lambda *ops: (run(cfg, *ops[:n]),),
+        lambda *ops: (_by_m(choices[1:], run, ops[:n], ops[n:]),),
+        (*operands, *symbols),
+    )
+    return out
+
+
+def launch_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor | None,
+    scale_b: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    azp_adj: torch.Tensor | None = None,
+    azp: torch.Tensor | None = None,
+    config: Config | None = None,
+) -> torch.Tensor:
+    """Run the fused kernel on validated inputs (K >= 1) and return a new (M, N) tensor.
+
+    ``azp_adj`` alone selects the per-tensor zero point, ``azp_adj`` and ``azp`` the
+    per-token one. ``out_dtype=torch.int32`` (int8 only, no scales) returns the int32
+    accumulator itself. ``config`` overrides the tuned launch configuration (tests,
+    tuning). Works on CUDA tensors, on CPU tensors under TRITON_INTERPRET=1, and traced.
+    """
+    N = b.shape[1]
+    if statically_known_true(a.shape[0] == 0) or statically_known_true(N == 0):
+        return torch.empty((a.shape[0], N), dtype=out_dtype, device=a.device)
+    fake = _traced(a)
+    scale_a, scale_b, bias, azp_adj, azp = (_flat(t, fake) for t in (scale_a, scale_b, bias, azp_adj, azp))
+    flags = dict(
+        SCALE_A_PER_TOKEN=_per_element(scale_a),
+        SCALE_B_PER_CHANNEL=_per_element(scale_b),
+        HAS_BIAS=bias is not None,
+        AZP=0 if azp_adj is None else (1 if azp is None else 2),
+        RAW_ACC=out_dtype in ACC_DTYPES,
+    )
+    M, K = a.shape
+    if config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
+        config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp=azp_adj is not None)
+    if config is not None:
+        def launch():
+            return _run(config, flags, out_dtype, a, b, scale_a, scale_b, bias, azp_adj, azp)
+    else:  # a symbolic size: the config of M's bucket, picked at run time
+        choices = bucket_choices(N, K, a.dtype, a.device, azp=azp_adj is not None)
+        # cond takes tensors only: the None arguments stay in the closure, by position.
+        args = (a, b, scale_a, scale_b, bias, azp_adj, azp)
+        present = [i for i, t in enumerate(args) if t is not None]
+
+        def run(cfg, *tensors):
+            full = [None] * len(args)
+            for i, t in zip(present, tensors):
+                full[i] = t
+            return _run(cfg, flags, out_dtype, *full)
+
+        def launch():
+            return _by_m(choices, run, tuple(args[i] for i in present), GRAPH_SYMBOLS.get())
+
+    if not fake and a.is_cuda and a.device.index != torch.cuda.current_device():
+        with torch.cuda.device(a.device):  # Triton launches on the current device
+            return launch()
+    return launch()

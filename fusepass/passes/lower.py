@@ -1,0 +1,126 @@
+"""Lower the fusepass op calls in a graph to what they run, so Inductor compiles them.
+
+The rewrite leaves ``fusepass.scaled_mm`` / ``scaled_mm_azp`` / ``int_mm`` calls in
+Inductor's post-grad graph. Left as they are, Inductor calls them through the dispatcher and
+Python on every run (93 us of host time a call on an H200, issue 10). Here each call is
+replaced by the trace of its implementation (``fusepass.ops.scaled_mm.IMPLS``, the body of
+the ``triton_op``):
+
+- on CUDA: ``torch.empty`` outputs and ``triton_kernel_wrapper_mutation`` nodes writing
+  them (and, for a symbolic M, a ``cond`` per M bucket; see ``fusepass.kernels.launch``),
+  which Inductor compiles and launches from its own generated code, as it does its own
+  kernels. This is the form Inductor's own reinplacing leaves a triton_op in, at the end of
+  its post-grad passes; traced functionalized instead, a ``cond`` branch (which misses
+  those passes: Inductor runs them on subgraphs before the main graph) would keep a copy
+  of each output. No pass after this one removes dead code, which would drop these
+  mutations (they return nothing);
+- on CPU: the reference's ATen ops, which Inductor fuses into its C++ kernels (and which an
+  AOTInductor package then holds, with no Python op to call back).
+
+The config choice and the input checks run here, at trace time, once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import free_symbols
+
+from ..kernels.launch import GRAPH_SYMBOLS, INTERPRETED
+from ..ops.scaled_mm import IMPLS
+
+log = logging.getLogger("fusepass.pass")
+
+
+def _arguments(node: fx.Node) -> list:
+    """The node's arguments in schema order, defaults filled in."""
+    schema = node.target._schema
+    given = list(node.args)
+    return given + [node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(given):]]
+
+
+def _symbol_source(graph: fx.Graph, symbol) -> fx.Node | None:
+    """A node of ``graph`` whose value is ``symbol``: a SymInt placeholder, or a new
+    ``sym_size`` of a placeholder with that size; None where no input has it."""
+    placeholders = graph.find_nodes(op="placeholder")
+    for p in placeholders:
+        val = p.meta.get("val")
+        if isinstance(val, torch.SymInt) and val.node.expr == symbol:
+            return p
+    for p in placeholders:
+        val = p.meta.get("val")
+        for dim, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            if isinstance(size, torch.SymInt) and size.node.expr == symbol:
+                with graph.inserting_after(placeholders[-1]):
+                    node = graph.call_function(torch.ops.aten.sym_size.int, (p, dim))
+                node.meta["val"] = size
+                return node
+    return None
+
+
+def _trace(node: fx.Node) -> tuple[fx.GraphModule, list] | None:
+    """The trace of ``node``'s implementation on its arguments' fake values, and the
+    graph nodes its placeholders stand for: the tensor arguments, then the size symbols
+    they hold (see ``GRAPH_SYMBOLS``). None where a symbol has no source in the graph."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    impl, args = IMPLS[node.target], _arguments(node)
+    tensors = [a for a in args if isinstance(a, fx.Node)]
+    fakes = [t.meta["val"] for t in tensors]
+    symbols = sorted(set().union(*map(free_symbols, fakes)), key=str)
+    sources = [_symbol_source(node.graph, s) for s in symbols]
+    if None in sources:
+        return None
+    symints = [s.meta["val"] for s in sources]
+
+    def fn(*values):
+        it = iter(values[:len(tensors)])
+        token = GRAPH_SYMBOLS.set(values[len(tensors):])
+        try:
+            return impl(*[next(it) if isinstance(a, fx.Node) else a for a in args])
+        finally:
+            GRAPH_SYMBOLS.reset(token)
+
+    with detect_fake_mode(fakes), enable_python_dispatcher():
+        gm = make_fx(fn, select_decomp_table(), tracing_mode="real")(*fakes, *symints)
+    return gm, tensors + sources
+
+
+def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list) -> None:
+    """Put ``gm``'s nodes in place of ``node`` (its subgraphs, e.g. cond branches, become
+    submodules of the graph's module) and reroute ``node``'s users to its output."""
+    root = graph.owning_module
+    for sub in gm.graph.find_nodes(op="get_attr"):
+        i = 0
+        while hasattr(root, f"fusepass_{sub.target}_{i}"):
+            i += 1
+        module, sub.target = getattr(gm, sub.target), f"fusepass_{sub.target}_{i}"
+        root.register_module(sub.target, module)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    with graph.inserting_before(node):
+        out = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
+    out.meta["stack_trace"] = node.meta.get("stack_trace")
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+
+
+def lower(graph: fx.Graph) -> int:
+    """Replace every fusepass op call of ``graph`` by its implementation; returns how many."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in IMPLS:
+            continue
+        if node.meta["val"].device.type == "cuda" and INTERPRETED:
+            continue  # the interpreter's kernels cannot be traced: the op call stays
+        traced = _trace(node)
+        if traced is None:  # left as an op call: slower to launch, as correct
+            log.debug("%s: a size symbol has no source in the graph; not lowered", node)
+            continue
+        _splice(graph, node, *traced)
+        count += 1
+    return count
