@@ -43,11 +43,11 @@ class Config:
         return asdict(self)
 
 
-# Buckets up to this M load through pointers, never TMA. Their launches are host-bound
-# outside CUDA graphs, and a TMA launch costs more host time: Triton allocates scratch
-# memory for the device-made descriptors on each one (TMA_HOST_NOTE). In CUDA graphs, TMA
-# changed these kernels' GPU time by -10%..+15% at M = 1..64 (H200, 12 decode shapes:
-# benchmarks/NOTES.md, run 4).
+# Buckets up to this M load through pointers, never TMA. A TMA launch costs more host time
+# (Triton allocates scratch memory for the device-made descriptors: +1.1 us a compiled
+# call, +8 us an eager one, H200 host, benchmarks/bench_host.py --parts configs), which
+# decode launches cannot hide, and on the H200 the pointer-load retune beat the H100
+# table's TMA configs at every decode shape compared (benchmarks/NOTES.md, run 4).
 POINTER_LOADS_MAX_M = 64
 
 # Without a table: small M (decode) is bound by reading the weight, so its tiles are short
