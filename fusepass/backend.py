@@ -9,11 +9,14 @@ Both keep Inductor's FX graph cache on: the pass is a CustomGraphPass with a uui
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .passes import FusePass, PassConfig
+from .passes.fuse_pass import INDUCTOR_PREFIX
 
 _HOOK = "post_grad_custom_pre_pass"  # why this hook: fusepass/passes/fuse_pass.py
 
@@ -65,15 +68,28 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     return opts
 
 
+def _counts() -> tuple[Counter, Counter]:
+    inductor = Counter({k[len(INDUCTOR_PREFIX):]: v for k, v in counters["inductor"].items()
+                        if k.startswith(INDUCTOR_PREFIX)})
+    return Counter(counters["fusepass"]), inductor
+
+
 def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
     """The ``fusepass`` backend: Inductor with the fusion pass; takes ``mode=``/``options=``
-    as ``torch.compile`` passes them (e.g. ``mode="reduce-overhead"`` for CUDA graphs)."""
+    as ``torch.compile`` passes them (e.g. ``mode="reduce-overhead"`` for CUDA graphs).
+
+    On an FX-graph-cache hit the pass does not run; ``counters["fusepass"]`` is filled
+    from the counts Inductor replays from the cache entry (see ``fuse_pass.count``)."""
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(options or {})
-    return compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
+    (ours, inductor) = _counts()
+    compiled = compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
+    (ours_now, inductor_now) = _counts()
+    counters["fusepass"].update((inductor_now - inductor) - (ours_now - ours))  # replayed, not counted
+    return compiled
 
 
 def capture_backend(on_graph):

@@ -24,20 +24,34 @@ class Report:
     def left(self) -> list[Decision]:
         return [d for d in self.decisions if not d.fused]
 
+    @property
+    def partial(self) -> list[Decision]:
+        return [d for d in self.decisions if d.partial]
+
     def __str__(self) -> str:
-        n, f = len(self.decisions), len(self.fused)
-        lines = [f"fusepass: {n} quantized matmul{'s' * (n != 1)}, {f} fused, {n - f} left alone"]
+        n, f, p = len(self.decisions), len(self.fused), len(self.partial)
+        lines = [f"fusepass: {n} quantized matmul{'s' * (n != 1)}, {f} fused, {n - f} left alone"
+                 + (f" ({p} of the fused in part)" if p else "")]
         for d in self.decisions:
             head = f"  {d.module + ': ' if d.module else ''}{d.target}({d.shapes})"
-            verdict = f"fused into {d.op} [{d.pattern}]" if d.fused else f"left alone: {d.reason}"
+            if d.partial:
+                verdict = f"fused in part into {d.op} [{d.pattern}]; the epilogue ends early: {d.reason}"
+            elif d.fused:
+                verdict = f"fused whole into {d.op} [{d.pattern}]"
+            else:
+                verdict = f"left alone: {d.reason}"
+                if d.rerouted:
+                    verdict += f"\n      runs on {d.rerouted} ({d.target} cannot run it on this device)"
             lines.append(f"{head}\n      {verdict}")
             if d.location:
                 lines.append(f"      at {d.location}")
         return "\n".join(lines)
 
 
-def explain(fn, *example_inputs, config: PassConfig | None = None, dynamic: bool | None = None) -> Report:
-    """Trace ``fn`` (a function or module) on ``example_inputs`` as ``torch.compile`` would,
+def explain(fn, *example_inputs, config: PassConfig | None = None, dynamic: bool | None = None,
+            **example_kwargs) -> Report:
+    """Trace ``fn`` (a function or module) on ``example_inputs`` (and keyword inputs
+    ``example_kwargs``, e.g. ``input_ids=...`` for a transformers model) as ``torch.compile`` would,
     run the fusion pass on each graph and report every candidate quantized matmul.
 
     Runs ``fn`` once (traced, without Inductor code generation) under ``torch.no_grad``.
@@ -46,5 +60,5 @@ def explain(fn, *example_inputs, config: PassConfig | None = None, dynamic: bool
     pass_ = FusePass(config)
     compiled = torch.compile(fn, backend=capture_backend(lambda gm: decisions.extend(pass_.run(gm.graph))), dynamic=dynamic)
     with torch.no_grad():
-        compiled(*example_inputs)
+        compiled(*example_inputs, **example_kwargs)
     return Report(decisions)

@@ -86,7 +86,7 @@ def test_inductor_options_keep_a_configured_pass_and_never_add_ours_twice():
 
 
 def test_uuid_follows_configuration():
-    default, other = fusepass.FusePass(), fusepass.FusePass(fusepass.PassConfig(fp8_direct_max_m=8))
+    default, other = fusepass.FusePass(), fusepass.FusePass(fusepass.PassConfig(fp8_max_m=8))
     assert default.uuid() == fusepass.FusePass().uuid() != other.uuid()
 
 
@@ -117,10 +117,13 @@ _CACHE_SCRIPT = textwrap.dedent("""
     import fusepass
     from tests.models import MLP
 
-    config = fusepass.PassConfig(fp8_direct_max_m=int(sys.argv[1]))
     model = MLP().eval()
     x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(1))
-    compiled = torch.compile(model, options=fusepass.inductor_options(config=config))
+    if sys.argv[1] == "backend":
+        compiled = torch.compile(model, backend=fusepass.fusepass_backend)
+    else:  # stock Inductor with the pass, configured
+        config = fusepass.PassConfig(fp8_max_m=int(sys.argv[1]))
+        compiled = torch.compile(model, options=fusepass.inductor_options(config=config))
     with torch.no_grad():
         compiled(x)
         # The profiler sees which ops the compiled code calls (a dispatch mode would make
@@ -132,6 +135,7 @@ _CACHE_SCRIPT = textwrap.dedent("""
         "hit": counters["inductor"]["fxgraph_cache_hit"],
         "miss": counters["inductor"]["fxgraph_cache_miss"],
         "rewrites": sum(counters["fusepass"].values()),
+        "inductor_counted": sum(v for k, v in counters["inductor"].items() if k.startswith("fusepass.")),
         # On CPU the fused op is lowered to its reference's int32 mm + a fused C++ epilogue.
         "lowered_mm_ran": "aten::mm" in ops,
         "int_mm_ran": "aten::_int_mm" in ops,
@@ -143,15 +147,21 @@ def test_fx_graph_cache_hits_in_a_new_process_and_misses_on_new_config(tmp_path)
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHINDUCTOR_FX_GRAPH_CACHE": "1",
            "PYTHONPATH": REPO}
 
-    def run(max_m):
-        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(max_m)], capture_output=True,
+    def run(how):
+        out = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT, str(how)], capture_output=True,
                              text=True, env=env, cwd=REPO)
         assert out.returncode == 0, out.stderr[-3000:]
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     first, second, changed = run(16), run(16), run(8)
-    assert first["miss"] >= 1 and first["hit"] == 0 and first["rewrites"] == 2
-    assert second["hit"] >= 1 and second["miss"] == 0 and second["rewrites"] == 0  # served from cache
+    assert first["miss"] >= 1 and first["hit"] == 0 and first["rewrites"] == first["inductor_counted"] == 2
+    # Served from the cache: the pass did not run; Inductor replays the counts it recorded.
+    assert second["hit"] >= 1 and second["miss"] == 0 and second["inductor_counted"] == 2
+    assert second["rewrites"] == 0  # stock Inductor does not know counters["fusepass"] (README)
     assert changed["miss"] >= 1 and changed["hit"] == 0 and changed["rewrites"] == 2
-    for r in (first, second, changed):
+    # The fusepass backend (the default config: the first run's cache entry) restores
+    # counters["fusepass"] from the replayed counts.
+    backend = run("backend")
+    assert backend["hit"] >= 1 and backend["miss"] == 0 and backend["rewrites"] == 2
+    for r in (first, second, changed, backend):
         assert r["lowered_mm_ran"] and not r["int_mm_ran"]

@@ -40,7 +40,7 @@ def fresh():
 @pytest.mark.parametrize("dtype", list(CASES), ids=["int8", "fp8"])
 def test_every_linear_fused_and_matches_eager(dtype):
     model, exact = MLP(dtype=dtype).cuda().eval(), MLP(dtype=None).cuda().eval()
-    x = _x(64)
+    x = _x(64 if dtype == torch.int8 else 16)  # fp8 fuses at M <= PassConfig.fp8_max_m
     with torch.no_grad():
         out = torch.compile(model, backend="fusepass")(x)
         _check(out, model(x), exact(x.double()))
@@ -57,7 +57,8 @@ def test_dynamic_m_without_recompiles(dtype):
             for tokens in (32, 160, 4096):
                 x = _x(tokens, seed=tokens)
                 _check(compiled(x), model(x), exact(x.double()))
-    assert counters["fusepass"] == {CASES[dtype]: 2}
+    # A symbolic M may be above PassConfig.fp8_max_m: fp8 stays on cuBLAS at every M.
+    assert counters["fusepass"] == ({CASES[dtype]: 2} if dtype == torch.int8 else {})
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

@@ -14,7 +14,7 @@ import torch
 INPUT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = OUT_DTYPES
-AZP_DTYPES = (torch.int32, torch.float32)
+AZP_DTYPES = (torch.int32, torch.int64, torch.float32)
 
 # int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them
 # is exact for K <= (2**31 - 1) // 2**14. With a zero point, (a - z) spans 255 values,

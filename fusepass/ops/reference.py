@@ -24,12 +24,13 @@ def zero_point_correction(
 ) -> torch.Tensor:
     """``acc - azp_adj`` (per-tensor) or ``acc - azp[:, None] * azp_adj`` (per-token).
 
-    Stays in int32 when every operand is int32, else fp32 (the kernel's promotion rule).
+    Integer operands keep it integer, exact (int32, or int64 where one is int64); a
+    float32 operand makes it fp32 (the kernel's promotion rule).
     """
     adj = azp_adj.reshape(1, -1)
     if azp is not None:
         adj = azp.reshape(-1, 1) * adj
-    if adj.dtype != torch.int32:
+    if adj.dtype.is_floating_point:
         acc = acc.to(torch.float32)
     return acc - adj
 

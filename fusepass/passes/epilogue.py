@@ -1,20 +1,28 @@
 """Read the elementwise chain that follows a matmul as one fused epilogue.
 
-Starting at the accumulator, the walker follows single-user nodes and folds each step
-into the normal form the ops compute::
+Starting at the accumulator, the walker follows the chain and folds each step into the
+normal form the ops compute::
 
     out = prod(rows) * prod(cols) * prod(scalars) * (acc - azp * azp_adj) + bias
 
-Steps it takes: casts between float dtypes (and int32 -> float), ``clone``, views that
+Steps it takes: casts between float dtypes (and integer -> float), ``clone``, views that
 keep the last dim (2-D <-> 3-D around the matmul), ``mul`` by a per-tensor / per-token /
-per-channel multiplier (any order, any number), one zero-point ``sub`` before any scaling
-(int8 only), and one bias ``add`` of an [N] vector after the scaling.
+per-channel multiplier (any order, any number), one zero-point ``sub`` (int8 only), and
+one bias ``add`` of an [N] vector after the scaling. The zero-point term is either
+subtracted from the integer accumulator (``acc - azp_adj``, ``acc - azp[M, 1] *
+azp_adj[1, N]``, int32 or int64) or, as torchao's asymmetric activations do, from the
+scaled accumulator with the same scales (``acc * s - (z * s) * colsum``), which is the
+same value: ``s * (acc - z * colsum)``.
 
-Where the chain goes on with an op that is not a step (a residual add, an activation,
-a reduction...) the epilogue ends there, and the prefix is fused. It is rejected instead
-when a mid-chain value has another user, or when a ``mul``/``sub`` is by something that is
-not a valid multiplier (a full [M, N] tensor, a vector on the wrong axis, another device):
-then the user's chain is not of the fused form and the graph is left as it was.
+The epilogue is the longest valid prefix of the chain. It ends
+
+- where the chain goes on with an op that is not a step (a residual add of a full
+  tensor, an activation, a reduction): the dequantization is whole;
+- where it cannot take the next step (a value also used elsewhere, a multiplier on the
+  wrong axis or another device, a zero point it cannot fold): fused in part, and
+  ``Epilogue.stop`` says where and why, in user terms.
+
+Only a shared accumulator leaves nothing to fuse (Rejected).
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ import torch
 import torch.fx as fx
 
 from .graph import (
-    FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, classify_or_none, is_call, is_number, peel_expand,
-    same, tensor_val, users,
+    FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, classify_or_none, describe, is_call, is_number,
+    peel_expand, same, tensor_val, users, where,
 )
 
-AZP_DTYPES = (torch.int32, torch.float32)
+# Zero-point terms: integers (the op applies them exactly: in int32, or in int64 where a
+# term is int64, as .sum() of an int32 tensor gives) or float32.
+INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 @dataclass
@@ -40,15 +50,21 @@ class Epilogue:
     cols: list = field(default_factory=list)  # per-channel multipliers
     scalars: list = field(default_factory=list)  # per-tensor multipliers
     bias: fx.Node | None = None
-    azp_adj: fx.Node | None = None
+    azp_adj: fx.Node | None = None  # an int32 / int64 / fp32 [N] (or [1, N]) term
     azp: fx.Node | None = None
     chain: list = field(default_factory=list)  # nodes consumed after the matmul, in order
     view: fx.Node | None = None  # the last view consumed: the output takes its shape
     arithmetic: bool = False  # the chain holds a cast, multiply, zero point or bias (not only views)
+    stop: str = ""  # why the epilogue ended before a step it could not take ("": it did not)
 
     @property
     def scaled(self) -> bool:
         return bool(self.rows or self.cols or self.scalars)
+
+    @property
+    def factors(self) -> list:
+        return [*((r, Axis.ROW) for r in self.rows), *((c, Axis.COL) for c in self.cols),
+                *((s, Axis.TENSOR) for s in self.scalars)]
 
     def add_factor(self, arg, axis: Axis) -> None:
         {Axis.ROW: self.rows, Axis.COL: self.cols, Axis.TENSOR: self.scalars}[axis].append(arg)
@@ -67,11 +83,43 @@ def _other(node: fx.Node, cur: fx.Node):
 
 def _check_device(arg, device, what: str) -> None:
     if isinstance(arg, fx.Node) and not is_number(arg) and tensor_val(arg).device != device:
-        raise Rejected(f"{what} {arg} is on {tensor_val(arg).device}, the matmul on {device} (mixed devices)")
+        raise Rejected(f"{what} ({describe(arg)}) is on {tensor_val(arg).device}, the matmul on {device} (mixed devices)")
+
+
+def _source(arg):
+    """The tensor a view / expand / reshape chain reads (the same values, re-laid out)."""
+    while is_call(arg, aten.expand.default, aten.unsqueeze.default, *VIEW_OPS):
+        arg = arg.args[0]
+    return arg
+
+
+def _integer_source(arg):
+    """``x`` for ``x.to(float)`` with an integer ``x``, else None."""
+    if cast_dtype(arg) in FLOAT_DTYPES and tensor_val(arg.args[0]).dtype in INT_DTYPES:
+        return arg.args[0]
+    return None
+
+
+def _peel_float_casts(node):
+    """``x`` for ``x.to(f)`` with float ``x`` and ``f`` (roundings the fused op leaves out)."""
+    node = peel_expand(node)
+    while cast_dtype(node) in FLOAT_DTYPES and tensor_val(node.args[0]).dtype in FLOAT_DTYPES:
+        node = peel_expand(node.args[0])
+    return node
+
+
+def _mul_leaves(node) -> list:
+    """The factors of a product tree of ``mul`` nodes (the node itself if it is none),
+    through float-to-float casts."""
+    node = _peel_float_casts(node)
+    if is_call(node, aten.mul.Tensor, aten.mul.Scalar):
+        return _mul_leaves(node.args[0]) + _mul_leaves(node.args[1])
+    return [node]
 
 
 class _Walker:
     def __init__(self, anchor: fx.Node, ep: Epilogue, allow_azp: bool):
+        self.anchor = anchor
         self.ep = ep
         self.allow_azp = allow_azp
         self.device = tensor_val(anchor).device
@@ -82,9 +130,9 @@ class _Walker:
         arg = peel_expand(arg)
         if is_number(arg):
             return [(arg, Axis.TENSOR)]
-        _check_device(arg, self.device, "multiplier")
+        _check_device(arg, self.device, "a multiplier")
         if isinstance(arg, fx.Node) and tensor_val(arg).dtype not in FLOAT_DTYPES:
-            raise Rejected(f"multiplier {arg} has dtype {tensor_val(arg).dtype}, not a float scale")
+            raise Rejected(f"a multiplier ({describe(arg)}) is not a float scale")
         try:
             return [(arg, classify(arg, shape))]
         except Rejected:
@@ -94,14 +142,16 @@ class _Walker:
 
     def step(self, cur: fx.Node, user: fx.Node):
         """How ``user`` (the next node after ``cur``) folds into the epilogue: a function
-        that applies it, or None where the epilogue ends. Changes nothing itself."""
+        that applies it, None where the chain goes on with an op that is no step, or
+        Rejected where it is a step this epilogue cannot take. Changes nothing itself."""
         ep = self.ep
         shape = list(tensor_val(cur).shape)
         out = tensor_val(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
         if out is None or len(out.shape) != len(shape) and not is_call(user, *VIEW_OPS):
             return None
-        if cast_dtype(user) is not None:
-            return _noop if cast_dtype(user) in FLOAT_DTYPES else None
+        if cast_dtype(user) is not None:  # to float, or widening int32 -> int64 (exact)
+            widening = cast_dtype(user) == torch.int64 and tensor_val(cur).dtype == torch.int32
+            return _noop if cast_dtype(user) in FLOAT_DTYPES or widening else None
         if is_call(user, aten.clone.default):
             return None if user.kwargs.get("memory_format") else _noop
         if is_call(user, *VIEW_OPS):
@@ -111,17 +161,14 @@ class _Walker:
         if not all(same(a, b) for a, b in zip(out.shape, shape)):
             return None  # broadcasts the value up: not elementwise on it
         if is_call(user, aten.sub.Tensor) and user.args[0] is cur and user.kwargs.get("alpha", 1) == 1:
-            if not self.allow_azp or ep.scaled or ep.bias is not None or ep.azp_adj is not None:
-                return None
-            azp, azp_adj = self.zero_point(peel_expand(user.args[1]), shape)
-            return lambda: (setattr(ep, "azp", azp), setattr(ep, "azp_adj", azp_adj))
+            return self.subtract(peel_expand(user.args[1]), shape)
         if out.dtype not in FLOAT_DTYPES:
             return None  # integer arithmetic (could wrap): not a dequantization step
         if is_call(user, aten.mul.Tensor, aten.mul.Scalar):
             other = _other(user, cur)
             if other is None:
-                raise Rejected(f"{user} squares the accumulator")
-            _check_device(other, self.device, "multiplier")  # mixed devices: never fused
+                raise Rejected("the value is squared")
+            _check_device(other, self.device, "a multiplier")  # mixed devices: never fused
             try:
                 factors = self.factors(other, shape)
             except Rejected:
@@ -129,37 +176,95 @@ class _Walker:
                     return None  # the dequantization is complete; a different op follows
                 raise
             if ep.bias is not None:
-                return None  # a multiply after the bias: fuse up to the bias
+                raise Rejected("a multiply follows the bias add; the fused epilogue adds the bias last")
             return lambda: [ep.add_factor(f, axis) for f, axis in factors]
         if is_call(user, aten.add.Tensor) and user.kwargs.get("alpha", 1) == 1:
             other = _other(user, cur)
-            if ep.bias is not None or not ep.scaled or not isinstance(other, fx.Node):
+            if not ep.scaled or not isinstance(other, fx.Node):
                 return None
             if classify_or_none(other, shape) is not Axis.COL or tensor_val(other).dtype not in FLOAT_DTYPES:
                 return None  # e.g. a residual add: the epilogue ends before it
-            _check_device(other, self.device, "bias")
+            if ep.bias is not None:
+                raise Rejected("a second [N] vector is added; the fused epilogue adds one bias")
+            _check_device(other, self.device, "the bias")
             return lambda: setattr(ep, "bias", other)
         return None
+
+    def subtract(self, term, shape):
+        """A zero-point correction ``cur - term``: before the scaling (``term`` from
+        integers) or after it with the scales applied so far (torchao's asymmetric form)."""
+        ep = self.ep
+        core = _peel_float_casts(term)
+        if classify_or_none(core, shape) is None and not is_call(core, aten.mul.Tensor):
+            return None  # a full tensor: not a zero point (a residual, say)
+        if not self.allow_azp:
+            raise Rejected("a zero-point subtract follows a float8 matmul; zero points are int8 only")
+        if ep.azp_adj is not None or ep.bias is not None:
+            raise Rejected("a subtract follows the zero point or the bias; the fused epilogue has one zero point")
+        azp, azp_adj = self.scaled_zero_point(term, shape) if ep.scaled else self.zero_point(term, shape)
+        return lambda: (setattr(ep, "azp", azp), setattr(ep, "azp_adj", azp_adj))
 
     def zero_point(self, term, shape):
         """``acc - term``: per-tensor (term is [N]) or per-token (term is azp[M,1] * adj[1,N]).
         Returns (azp, azp_adj); azp is None for the per-tensor form."""
-        _check_device(term, self.device, "zero-point term")
+        _check_device(term, self.device, "the zero-point term")
         azp = None
         if classify_or_none(term, shape) is Axis.COL:
             azp_adj = term
         elif is_call(term, aten.mul.Tensor) and all(isinstance(t, fx.Node) for t in term.args[:2]):
             axes = {classify_or_none(peel_expand(t), shape): peel_expand(t) for t in term.args[:2]}
             if set(axes) != {Axis.ROW, Axis.COL}:
-                raise Rejected(f"zero-point term {term} is not azp[M, 1] * azp_adj[1, N]")
+                raise Rejected(f"the zero-point term ({describe(term)}) is not azp[M, 1] * azp_adj[1, N]")
             azp, azp_adj = axes[Axis.ROW], axes[Axis.COL]
         else:
-            raise Rejected(f"zero-point term {term} is neither z * colsum [N] nor azp[M, 1] * azp_adj[1, N]")
+            raise Rejected(f"the zero-point term ({describe(term)}) is neither z * colsum [N] nor azp[M, 1] * azp_adj[1, N]")
         for t in (azp, azp_adj):
-            if t is not None and tensor_val(t).dtype not in AZP_DTYPES:
-                raise Rejected(f"zero-point term {t} has dtype {tensor_val(t).dtype}; int32 or float32 needed")
-            _check_device(t, self.device, "zero-point term")
+            if t is not None:
+                self.check_zero_point(t)
         return azp, azp_adj
+
+    def check_zero_point(self, t) -> None:
+        if tensor_val(t).dtype not in INT_DTYPES + (torch.float32,):
+            raise Rejected(f"a zero-point term ({describe(t)}) is neither an integer nor a float32 tensor")
+        _check_device(t, self.device, "the zero-point term")
+
+    def scaled_zero_point(self, term, shape):
+        """``acc * S - term`` with ``term = z * colsum * S`` (or ``adj * S``) and ``S`` the
+        product of the scales taken so far: the zero point of ``S * (acc - z * colsum)``.
+        ``z`` and ``colsum`` are integers cast to float (their integer sources become the
+        op's azp / azp_adj, exact); the scales must be the same tensors as ``S``'s."""
+        ints, floats = [], []
+        for leaf in _mul_leaves(term):
+            if is_number(leaf):
+                if leaf != 1:
+                    raise Rejected("the zero-point term after the scaling has a constant factor")
+                continue
+            _check_device(leaf, self.device, "the zero-point term")
+            axis = classify(leaf, shape)
+            src = _integer_source(leaf)
+            (ints if src is not None else floats).append((_source(src) if src is not None else _source(leaf), axis))
+        applied = [(f if is_number(f) else _source(f), axis) for f, axis in self.ep.factors]
+        if sorted(map(_key, floats)) != sorted(map(_key, applied)):
+            raise Rejected("a zero-point correction after the scaling is scaled differently from the accumulator")
+        if all(same(d, 1) for d in shape[:-1]):  # one row: a per-token zero point is one value
+            ints = [(src, Axis.ROW if axis is Axis.TENSOR else axis) for src, axis in ints]
+        axes = {axis: src for src, axis in ints}
+        if len(ints) == 2 and set(axes) == {Axis.ROW, Axis.COL}:
+            azp, azp_adj = axes[Axis.ROW], axes[Axis.COL]
+        elif len(ints) == 1 and Axis.COL in axes:
+            azp, azp_adj = None, axes[Axis.COL]
+        else:
+            raise Rejected("a zero-point correction after the scaling is not z[M, 1] * colsum[N] (or z * colsum [N])")
+        for t in (azp, azp_adj):
+            if t is not None:
+                self.check_zero_point(t)
+        return azp, azp_adj
+
+
+def _key(item) -> tuple:
+    """A sortable identity of (source node or number, axis)."""
+    src, axis = item
+    return (axis.value, src.name if isinstance(src, fx.Node) else repr(src))
 
 
 def _noop() -> None:
@@ -175,19 +280,32 @@ def _continues(walker: _Walker, cur: fx.Node, user: fx.Node) -> bool:
 
 
 def walk(anchor: fx.Node, ep: Epilogue | None = None, *, allow_azp: bool = False) -> Epilogue:
-    """Fold the chain after ``anchor`` into ``ep`` (which may hold the matmul's own scales
-    and bias). Returns it with ``chain`` set; raises Rejected where the graph must stay."""
+    """Fold the longest valid prefix of the chain after ``anchor`` into ``ep`` (which may
+    hold the matmul's own scales and bias). Returns it with ``chain`` set, and ``stop``
+    where it ended at a step it could not take; raises Rejected only where nothing of the
+    chain can be fused (a shared accumulator, or a first step that is refused)."""
     ep = ep or Epilogue()
     walker = _Walker(anchor, ep, allow_azp)
     cur = anchor
     while True:
         found = users(cur)
         if len(found) != 1:
-            if any(_continues(walker, cur, u) for u in found):
-                what = "the accumulator" if cur is anchor else f"mid-chain value {cur}"
-                raise Rejected(f"{what} has {len(found)} users; the fused epilogue needs it alone")
+            steps = [u for u in found if _continues(walker, cur, u)]
+            if steps and cur is anchor:
+                raise Rejected(f"the accumulator is used by {len(found)} ops; the fused epilogue needs it alone")
+            # Casts and views of the shared value cost nothing where they stay: Inductor
+            # fuses them into their consumers. Arithmetic left outside is a lost step.
+            lost = [u for u in steps if cast_dtype(u) is None and not is_call(u, aten.clone.default, *VIEW_OPS)]
+            if lost:
+                ep.stop = f"its value is also used elsewhere, so the step {where(lost[0])} stays outside"
             return ep
-        apply = walker.step(cur, found[0])
+        try:
+            apply = walker.step(cur, found[0])
+        except Rejected as e:
+            if not ep.chain and not ep.scaled:
+                raise
+            ep.stop = f"{e} ({where(found[0])})"
+            return ep
         if apply is None:
             return ep
         apply()

@@ -13,7 +13,6 @@ steps over no-op casts, clones and views itself.
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,10 +20,11 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from .graph import Rejected, aten
+from .graph import Rejected, aten, location, module_path
 from .lower import lower
 from .patterns import PATTERNS
 from .rewrite import emit
+from .route import ROUTED, needs_route, route
 
 log = logging.getLogger("fusepass.pass")
 
@@ -36,10 +36,22 @@ _SOURCES = tuple(sorted(
 ))
 
 
+# Inductor records its own counters' increments with each FX-graph-cache entry and
+# replays them on a hit, when the pass does not run: each rewrite is counted there too,
+# as "fusepass.<name>", so that the backend can restore counters["fusepass"] from it.
+INDUCTOR_PREFIX = "fusepass."
+
+
+def count(name: str) -> None:
+    counters["fusepass"][name] += 1
+    counters["inductor"][INDUCTOR_PREFIX + name] += 1
+
+
 @dataclass(frozen=True)
 class PassConfig:
-    # Row 7 (a bare torch._scaled_mm) is rewritten only for a static M at most this.
-    fp8_direct_max_m: int = 16
+    # fp8 matmuls (rows 6-7) fuse only for a static M at most this: above it cuBLAS's
+    # _scaled_mm is the faster (H200 measurement: benchmarks/NOTES.md, run 4).
+    fp8_max_m: int = 16
     # Pattern families to run, by module name (int_mm, scaled_mm, dequant_mm).
     patterns: tuple = tuple(PATTERNS)
 
@@ -60,32 +72,17 @@ class Decision:
     location: str  # the user's source line, if known
     pattern: str | None = None  # the counter name, when fused
     op: str | None = None  # the fused op it became
-    reason: str = ""  # why it stayed, when it did
+    reason: str = ""  # why it stayed, when it did; where a fused epilogue ended early, why
+    rerouted: str | None = None  # the op an int8 matmul left alone was routed to (see route.py)
 
     @property
     def fused(self) -> bool:
         return self.op is not None
 
-
-def _location(node: fx.Node) -> str:
-    """``file:line: code`` of the innermost user frame in the node's stack trace."""
-    lines = (node.meta.get("stack_trace") or "").splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        head = lines[i].strip()
-        if head.startswith('File "'):
-            path, _, rest = head[len('File "'):].partition('", line ')
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{Path(path).name}:{rest.split(',')[0]}: {code}"
-    return ""
-
-
-def _module(node: fx.Node) -> str:
-    """``layers.0.qkv_proj`` from Dynamo's ``nn_module_stack`` (kept through AOT tracing)."""
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    if not stack:
-        return ""
-    path, cls = stack[-1]
-    return re.sub(r"^L\['self'\]\.?", "", path) or getattr(cls, "__name__", str(cls))
+    @property
+    def partial(self) -> bool:
+        """Fused, but the epilogue ended at a step it could not take (``reason`` says which)."""
+        return self.fused and bool(self.reason)
 
 
 def _describe(node: fx.Node) -> str:
@@ -118,14 +115,14 @@ class FusePass(CustomGraphPass):
                 if d is not None:  # the first pattern that recognizes the matmul decides
                     decisions.append(d)
                     break
-        if any(d.fused for d in decisions):
+        if any(d.fused or d.rerouted for d in decisions):
             graph.eliminate_dead_code()
             graph.lint()
         return decisions
 
     def _try(self, graph: fx.Graph, node: fx.Node, pattern) -> Decision | None:
         target = str(node.target).replace(".default", "")
-        d = Decision(node.name, _module(node), target, _describe(node), _location(node))
+        d = Decision(node.name, module_path(node), target, _describe(node), location(node))
         try:
             cand = pattern.match(node, self.config)
             if cand is None:
@@ -135,10 +132,16 @@ class FusePass(CustomGraphPass):
         except Rejected as e:
             d.op, d.reason = None, str(e)
             log.debug("fusepass: left %s (%s) alone: %s", node.name, d.shapes, d.reason)
+            if needs_route(node):
+                route(graph, node)
+                d.rerouted = "fusepass.int_mm"
+                count(ROUTED)
+                log.debug("fusepass: %s runs on fusepass.int_mm (torch._int_mm cannot run it on CUDA)", d.node)
             return d
-        d.pattern = cand.pattern
-        counters["fusepass"][cand.pattern] += 1
-        log.debug("fusepass: fused %s (%s) into %s [%s]", d.node, d.shapes, d.op, d.pattern)
+        d.pattern, d.reason = cand.pattern, cand.ep.stop
+        count(cand.pattern)
+        log.debug("fusepass: fused %s (%s) into %s [%s]%s", d.node, d.shapes, d.op, d.pattern,
+                  f", in part: {d.reason}" if d.reason else "")
         return d
 
     def uuid(self) -> bytes:

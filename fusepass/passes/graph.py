@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +39,47 @@ def val(arg) -> Any:
 def tensor_val(node) -> torch.Tensor:
     v = val(node)
     if not isinstance(v, torch.Tensor):
-        raise Rejected(f"{node} has no tensor metadata")
+        raise Rejected(f"an operand {where(node) if isinstance(node, fx.Node) else repr(node)} has no tensor metadata")
     return v
+
+
+def location(node: fx.Node) -> str:
+    """``file:line: code`` of the innermost user frame in the node's stack trace."""
+    lines = (node.meta.get("stack_trace") or "").splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        head = lines[i].strip()
+        if head.startswith('File "'):
+            path, _, rest = head[len('File "'):].partition('", line ')
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{Path(path).name}:{rest.split(',')[0]}: {code}"
+    return ""
+
+
+def module_path(node: fx.Node) -> str:
+    """``layers.0.qkv_proj``: the innermost nn.Module of Dynamo's ``nn_module_stack``, as
+    ``named_modules`` spells it ("" in the compiled function itself)."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if not stack:
+        return ""
+    path, cls = stack[-1]
+    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)  # the compiled object: L['self'], L['fn'], a global
+    path = re.sub(r"\._modules\['([^']*)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+    return path.strip(".") or getattr(cls, "__name__", str(cls))
+
+
+def where(node: fx.Node) -> str:
+    """A node in user terms: its module path and source line, never its FX name."""
+    mod, loc = module_path(node), location(node)
+    text = " in ".join(p for p in (f"at {loc}" if loc else "", f"module {mod}" if mod else "") if p)
+    return text or f"(an aten.{getattr(node.target, '__name__', node.target)} with no source line)"
+
+
+def describe(arg) -> str:
+    """An operand in user terms: its dtype and shape (FX names mean nothing to a user)."""
+    v = val(arg)
+    if isinstance(v, torch.Tensor):
+        return f"a {str(v.dtype).replace('torch.', '')}{list(v.shape)} tensor"
+    return f"the number {v}"
 
 
 def same(a, b) -> bool:
@@ -109,7 +150,7 @@ def classify(arg, out_shape) -> Axis:
         return Axis.TENSOR
     v = tensor_val(arg)
     if v.dim() > len(out_shape):
-        raise Rejected(f"{arg} ({_shape(v)}) has more dims than the matmul output {list(out_shape)}")
+        raise Rejected(f"{describe(arg)} has more dims than the matmul output {list(out_shape)}")
     if statically_known_true(v.numel() == 1):
         return Axis.TENSOR
     shape = [1] * (len(out_shape) - v.dim()) + list(v.shape)
@@ -119,8 +160,7 @@ def classify(arg, out_shape) -> Axis:
     if same(last, 1) and all(same(d, o) for d, o in zip(lead, out_shape[:-1])):
         return Axis.ROW
     raise Rejected(
-        f"{arg} of shape {_shape(v)} is not per-tensor, per-token or per-channel "
-        f"for an output of shape {list(out_shape)}"
+        f"{describe(arg)} is not per-tensor, per-token or per-channel for an output of shape {list(out_shape)}"
     )
 
 
@@ -130,10 +170,6 @@ def classify_or_none(arg, out_shape) -> Axis | None:
         return classify(arg, out_shape)
     except Rejected:
         return None
-
-
-def _shape(v: torch.Tensor) -> list:
-    return list(v.shape)
 
 
 class Inserter:

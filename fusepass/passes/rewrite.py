@@ -8,9 +8,9 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..ops.checks import MAX_K_INT8, MAX_K_INT8_AZP, MIN_CAPABILITY, MIN_FP8_CAPABILITY, OUT_DTYPES
-from .epilogue import Epilogue
-from .graph import ASSERT_OPS, Inserter, Rejected, aten, is_call, tensor_val
+from ..ops.checks import AZP_DTYPES, MAX_K_INT8, MAX_K_INT8_AZP, MIN_CAPABILITY, MIN_FP8_CAPABILITY, OUT_DTYPES
+from .epilogue import INT_DTYPES, Epilogue
+from .graph import ASSERT_OPS, Inserter, Rejected, aten, cast_dtype, is_call, prims, tensor_val
 
 fusepass = torch.ops.fusepass
 
@@ -20,7 +20,9 @@ class Candidate:
     """A quantized matmul and its epilogue, ready to become ``fusepass.scaled_mm[_azp]``.
 
     ``a`` [M, K] and ``b`` [K, N] are the quantized operands; ``a_view`` (shape args) views
-    a 3-D ``a`` to 2-D, ``b_t`` transposes an [N, K] ``b``.
+    a 3-D ``a`` to 2-D, ``b_t`` transposes an [N, K] ``b``. ``a_zero_point``: the zero point
+    (per-token or per-tensor) subtracted from ``a`` before the matmul (dequantize-then-matmul
+    forms); the op's ``azp_adj`` is then the column sums of ``b``.
     """
 
     pattern: str
@@ -30,6 +32,7 @@ class Candidate:
     ep: Epilogue
     a_view: list | None = None
     b_t: bool = False
+    a_zero_point: fx.Node | float | None = None
 
     @property
     def last(self) -> fx.Node:
@@ -37,7 +40,8 @@ class Candidate:
 
     @property
     def op_name(self) -> str:
-        return "fusepass.scaled_mm_azp" if self.ep.azp_adj is not None else "fusepass.scaled_mm"
+        azp = self.ep.azp_adj is not None or self.a_zero_point is not None
+        return "fusepass.scaled_mm_azp" if azp else "fusepass.scaled_mm"
 
 
 def check_operands(a: fx.Node, b: fx.Node, dtypes, *, azp: bool = False) -> None:
@@ -71,6 +75,30 @@ def _scales(ins: Inserter, ep: Epilogue, device):
     return ins.product(a_side, device) or one(), ins.product(b_side, device) or one()
 
 
+def _zero_point(ins: Inserter, node: fx.Node) -> fx.Node:
+    """A zero-point term as the op takes it: a vector of int32, int64 or fp32 (narrower
+    integers, such as int8 zero points, widen to int32: exact)."""
+    node = ins.flat(node)
+    if tensor_val(node).dtype in AZP_DTYPES:
+        return node
+    return ins.call(prims.convert_element_type.default, node, torch.int32)
+
+
+def _activation_zero_point(ins: Inserter, z, b: fx.Node):
+    """(azp_adj, azp) of ``(a - z) @ b`` = ``a @ b - z * colsum(b)``: a per-token ``z`` goes to
+    azp, a per-tensor one (or one row: M = 1) multiplies the column sums. Integers stay
+    integers where ``z`` is a cast of them; float zero points go in fp32."""
+    colsum = ins.call(aten.sum.dim_IntList, b, [0], dtype=torch.int32)  # exact: |sum| <= 128 K
+    if not isinstance(z, fx.Node):
+        return ins.call(aten.mul.Tensor, colsum, z), None
+    if cast_dtype(z) is not None and tensor_val(z.args[0]).dtype in INT_DTYPES:
+        z = z.args[0]
+    z = ins.flat(z) if tensor_val(z).dtype in INT_DTYPES else ins.fp32(ins.flat(z))
+    if statically_known_true(tensor_val(z).numel() == 1):
+        return ins.call(aten.mul.Tensor, colsum, z), None
+    return colsum, _zero_point(ins, z)
+
+
 def emit(graph: fx.Graph, cand: Candidate) -> fx.Node:
     """Insert the fused op for ``cand``, reroute the epilogue's users to it and erase the
     replaced nodes. Raises Rejected (leaving the graph as it was) if the op refuses."""
@@ -85,9 +113,14 @@ def emit(graph: fx.Graph, cand: Candidate) -> fx.Node:
         b = ins.call(aten.permute.default, cand.b, [1, 0]) if cand.b_t else cand.b
         sa, sb = _scales(ins, ep, device)
         bias = None if ep.bias is None else ins.flat(ep.bias)
-        if ep.azp_adj is not None:
-            azp = None if ep.azp is None else ins.flat(ep.azp)
-            out = ins.call(fusepass.scaled_mm_azp.default, a, b, sa, sb, out_dtype, ins.flat(ep.azp_adj), azp, bias)
+        azp_adj = azp = None
+        if cand.a_zero_point is not None:
+            azp_adj, azp = _activation_zero_point(ins, cand.a_zero_point, b)
+        elif ep.azp_adj is not None:
+            azp_adj, azp = ep.azp_adj, ep.azp
+        if azp_adj is not None:
+            azp = None if azp is None else _zero_point(ins, azp)
+            out = ins.call(fusepass.scaled_mm_azp.default, a, b, sa, sb, out_dtype, _zero_point(ins, azp_adj), azp, bias)
         else:
             out = ins.call(fusepass.scaled_mm.default, a, b, sa, sb, out_dtype, bias)
         if ep.view is not None:

@@ -28,8 +28,8 @@ def test_explain_reports_fused_and_left_alone():
     lines = text.splitlines()
     assert lines[0] == "fusepass: 2 quantized matmuls, 1 fused, 1 left alone"
     assert "  aten._int_mm(int8[24, 64] x int8[64, 40])" in text  # in the root module: no path
-    assert "fused into fusepass.scaled_mm [int_mm_scaled]" in text
-    assert "left alone: the accumulator has 2 users; the fused epilogue needs it alone" in text
+    assert "fused whole into fusepass.scaled_mm [int_mm_scaled]" in text
+    assert "left alone: the accumulator is used by 2 ops; the fused epilogue needs it alone" in text
     assert "at test_explain.py:18: h = torch._int_mm(x, self.w1.t()).float() * sx * self.s1" in text
     assert "at test_explain.py:20: acc = torch._int_mm(q, self.w2.t())" in text
 
@@ -39,4 +39,4 @@ def test_explain_logs_each_decision(caplog):
         fusepass.explain(TwoLinears(), i8(M, K), scale(M, 1))
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("fusepass: fused _int_mm (int8[24, 64] x int8[64, 40]) into fusepass.scaled_mm") for m in messages)
-    assert any("left _int_mm_1" in m and "has 2 users" in m for m in messages)
+    assert any("left _int_mm_1" in m and "used by 2 ops" in m for m in messages)

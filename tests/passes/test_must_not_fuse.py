@@ -1,4 +1,5 @@
-"""Pattern row 9: what must stay unchanged, each with the reason the pass gives."""
+"""Pattern row 9: what must stay unchanged, each with the reason the pass gives. (A chain
+that can be fused in part is: tests/passes/test_prefix.py.)"""
 
 import re
 
@@ -20,11 +21,6 @@ sa, sb = scale(M, 1), scale(1, N, seed=2)
 def acc_has_another_user(a, b, sa, sb):
     acc = torch._int_mm(a, b)
     return acc.float() * sa * sb, acc.sum()
-
-
-def mid_chain_value_has_another_user(a, b, sa, sb):
-    y = torch._int_mm(a, b).float() * sa
-    return y * sb, y.amax()
 
 
 FULL = scale(M, N, seed=5)  # one value per element: not a product of row and column scales
@@ -65,8 +61,7 @@ def bias_before_scaling(a, b, sa, sb):
 
 
 CASES = [
-    (acc_has_another_user, "the accumulator has 2 users"),
-    (mid_chain_value_has_another_user, "mid-chain value mul has 2 users"),
+    (acc_has_another_user, "the accumulator is used by 2 ops"),
     (full_mn_scale, "is not per-tensor, per-token or per-channel"),
     (per_batch_scale_on_3d, "is not per-tensor, per-token or per-channel"),
     (non_elementwise_op_in_chain, "no scale multiply follows the int32 accumulator"),
@@ -95,9 +90,10 @@ def _fake_cuda_graph(f, *shapes_and_devices):
         return make_fx(f, decomposition_table=select_decomp_table(), tracing_mode="fake")(*args)
 
 
-def test_mixed_devices_are_not_fused():
+def test_mixed_devices_are_never_fused():
     """A scale on another device than the matmul (no eager program can multiply those;
-    the guard keeps the pass from ever producing one): the graph stays as it is."""
+    the guard keeps the pass from ever producing one): the epilogue ends before it, the
+    multiply stays as it was."""
 
     def f(a, b, sa, sb):
         return torch._int_mm(a, b).float() * sa * sb
@@ -107,10 +103,20 @@ def test_mixed_devices_are_not_fused():
     sb_node = [n for n in gm.graph.nodes if n.op == "placeholder"][3]
     with sb_node.meta["val"].fake_mode:
         sb_node.meta["val"] = torch.empty(1, N, device="meta")  # any other device; meta needs no GPU
+    (d,) = FusePass().run(gm.graph)
+    assert d.partial and "is on meta, the matmul on cuda:0 (mixed devices)" in d.reason
+    (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.fusepass.scaled_mm.default]
+    assert [u.args for u in op.users] == [(op, sb_node)]  # sb applied outside, as written
+
+    # Mixed devices at the first step: nothing to fuse, the graph stays.
+    gm = _fake_cuda_graph(f, ((M, K), torch.int8, "cuda"), ((K, N), torch.int8, "cuda"),
+                          ((M, 1), torch.float32, "cuda"), ((1, N), torch.float32, "cuda"))
+    sa_node = [n for n in gm.graph.nodes if n.op == "placeholder"][2]
+    with sa_node.meta["val"].fake_mode:
+        sa_node.meta["val"] = torch.empty(M, 1, device="meta")
     before = str(gm.graph)
     (d,) = FusePass().run(gm.graph)
-    assert not d.fused and "is on meta, the matmul on cuda:0 (mixed devices)" in d.reason
-    assert str(gm.graph) == before
+    assert not d.fused and "(mixed devices)" in d.reason and str(gm.graph) == before
 
 
 def test_cpu_scalar_scale_on_a_cuda_graph_is_a_number():

@@ -73,7 +73,7 @@ def match(node, config) -> Candidate | None:
             raise Rejected("uint8 activations without the matching - 128 * b.sum(0) correction")
         a, ep.azp_adj = shifted, None
     if not ep.scaled:
-        raise Rejected("no scale multiply follows the int32 accumulator")
+        raise Rejected(ep.stop or "no scale multiply follows the int32 accumulator")
     check_operands(a, b, (torch.int8,), azp=ep.azp_adj is not None)
     if ep.azp_adj is None:
         name = "int_mm_scaled"

@@ -1,16 +1,21 @@
-"""Rows 6-7 of the pattern catalogue: ``torch._scaled_mm`` on fp8 (float8_e4m3fn).
+"""Rows 6-7 of the pattern catalogue: fp8 (float8_e4m3fn) scaled matmuls.
 
-Row 6: ``torch._scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=...)`` (often with
-unit scales and fp32 out) followed by a dequantization epilogue (scale multiplies, bias,
-casts, views; see ``epilogue.walk``). Its own scales and bias join the epilogue.
-Becomes ``fusepass.scaled_mm`` with every factor folded into scale_a / scale_b.
+Matches ``torch._scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=...)`` and, where
+the installed torch has it (2.12+), ``torch.nn.functional.scaled_mm`` (``aten._scaled_mm_v2``,
+what transformers' compressed-tensors fp8 path calls) with tensor-wise or row-wise recipes,
+no swizzle and the default contraction dims; then any epilogue after it (scale
+multiplies, bias, casts, views; see ``epilogue.walk``). Its own scales and bias join the
+epilogue.
 
-Row 7: ``torch._scaled_mm`` with row-wise or tensor-wise scales and nothing after it
-(views aside).
-Becomes ``fusepass.scaled_mm`` only where that is faster: the token count M is static
-and at most ``PassConfig.fp8_direct_max_m`` (decode sizes); otherwise cuBLAS stays.
+- Row 6: with arithmetic after the matmul (often unit scales and fp32 out).
+- Row 7: nothing after it but views.
 
-Not matched: ``scale_result``, block-wise scales, float8_e5m2.
+Both become ``fusepass.scaled_mm`` with every factor folded into scale_a / scale_b, under
+one rule, where the fused kernel is the faster: a static M at most
+``PassConfig.fp8_max_m``. Above it (and for a symbolic M, prefill's) cuBLAS keeps the
+matmul, and Inductor the elementwise ops after it.
+
+Not matched: ``scale_result``, block-wise or swizzled scales, float8_e5m2.
 """
 
 from __future__ import annotations
@@ -19,17 +24,43 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..epilogue import Epilogue, walk
-from ..graph import Axis, Rejected, aten, classify, tensor_val
+from ..graph import Axis, Rejected, aten, classify, describe, tensor_val
 from ..rewrite import Candidate, check_operands
 
-ANCHORS = (aten._scaled_mm.default,)
+V2 = getattr(aten, "_scaled_mm_v2", None)  # torch >= 2.12
+ANCHORS = (aten._scaled_mm.default,) + ((V2.default,) if V2 is not None else ())
 NAMES = ("scaled_mm_fp8_epilogue", "scaled_mm_fp8_direct")
 _ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
+_ARGS_V2 = ("self", "mat2", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b", "swizzle_b", "bias",
+            "out_dtype", "contraction_dim", "use_fast_accum")
+# torch.nn.functional.ScalingType / SwizzleType values
+_TENSOR_OR_ROW_WISE = ([0], [1])
+_NO_SWIZZLE = ([], [0])
+
+
+def _arguments(node) -> dict:
+    """The matmul's arguments by ``_scaled_mm``'s names, whichever op it is."""
+    if node.target is aten._scaled_mm.default:
+        args = dict(zip(_ARGS, node.args))
+        args.update(node.kwargs)
+        return args
+    args = dict(zip(_ARGS_V2, node.args))
+    args.update(node.kwargs)
+    for side in ("a", "b"):
+        scales, recipe, swizzle = args[f"scale_{side}"], list(args[f"recipe_{side}"]), list(args.get(f"swizzle_{side}", []))
+        if len(scales) != 1 or recipe not in _TENSOR_OR_ROW_WISE:
+            raise Rejected(f"scaled_mm with the scale recipe {recipe} for {side}: only tensor-wise and row-wise "
+                           "scales fuse (block-wise ones do not)")
+        if swizzle not in _NO_SWIZZLE:
+            raise Rejected(f"scaled_mm with swizzled scales for {side}")
+        args[f"scale_{side}"] = scales[0]
+    if list(args.get("contraction_dim") or []):
+        raise Rejected("scaled_mm with explicit contraction dims")
+    return args
 
 
 def match(node, config) -> Candidate:
-    args = dict(zip(_ARGS, node.args))
-    args.update(node.kwargs)
+    args = _arguments(node)
     a, b = args["self"], args["mat2"]
     check_operands(a, b, (torch.float8_e4m3fn,))
     if args.get("scale_result") is not None:
@@ -37,18 +68,17 @@ def match(node, config) -> Candidate:
     shape = list(tensor_val(node).shape)
     ep = Epilogue()
     for name, allowed in (("scale_a", Axis.ROW), ("scale_b", Axis.COL)):
-        axis = classify(args[name], shape)
-        if axis not in (allowed, Axis.TENSOR) or tensor_val(args[name]).dtype != torch.float32:
-            raise Rejected(f"{name} {args[name]} is not a tensor-wise or {allowed.value} fp32 scale")
-        ep.add_factor(args[name], axis)
+        scale = args[name]
+        axis = classify(scale, shape)
+        if axis not in (allowed, Axis.TENSOR) or tensor_val(scale).dtype != torch.float32:
+            raise Rejected(f"{name} ({describe(scale)}) is not a tensor-wise or {allowed.value} fp32 scale")
+        ep.add_factor(scale, axis)
     ep.bias = args.get("bias")
-    ep = walk(node, ep)
-    if ep.arithmetic:  # views alone are no epilogue: those follow row 7's rule
-        return Candidate("scaled_mm_fp8_epilogue", node, a, b, ep)
     M = shape[0]
-    if not is_concrete_int(M) or int(M) > config.fp8_direct_max_m:
+    if not is_concrete_int(M) or int(M) > config.fp8_max_m:
         raise Rejected(
-            f"torch._scaled_mm alone with M = {M}: kept, cuBLAS is the faster choice above "
-            f"M = {config.fp8_direct_max_m} (PassConfig.fp8_direct_max_m)"
+            f"an fp8 matmul with M = {M}: kept on cuBLAS, which is faster than the fused kernel "
+            f"above M = {config.fp8_max_m} (PassConfig.fp8_max_m)"
         )
-    return Candidate("scaled_mm_fp8_direct", node, a, b, ep)
+    ep = walk(node, ep)
+    return Candidate("scaled_mm_fp8_epilogue" if ep.arithmetic else "scaled_mm_fp8_direct", node, a, b, ep)
