@@ -25,3 +25,57 @@ def test_cuda_requested_without_gpu(monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     with pytest.raises(SystemExit, match="--device cuda given but no CUDA GPU is available"):
         cli.main(["check", "--device", "cuda"])
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    from importlib.metadata import version
+
+    assert capsys.readouterr().out.strip() == f"fusepass {version('fusepass')}"
+
+
+def test_version_from_a_source_tree(monkeypatch, capsys):
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    assert capsys.readouterr().out.strip() == "fusepass unknown (source tree)"
+
+
+def test_check_k_too_large_is_one_clear_line(capsys):
+    """The op's own ValueError becomes the command's one-line error (exit status 1), not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["check", "-k", "70000", "--device", "cpu"])
+    message = str(e.value.code)  # SystemExit("...") prints it to stderr and exits 1
+    assert isinstance(e.value.code, str) and "\n" not in message
+    assert message.startswith("fusepass check: error: fusepass.scaled_mm_azp: K = 70000 is too large for exact int32")
+
+
+@pytest.mark.parametrize("argv", [[], ["demo"], ["check"]])
+def test_help_shows_defaults_and_no_markup(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and "(default: None)" not in out
+    if argv == ["demo"]:
+        for shown in ("(default: int8)", "(default: torchao)", "(default: 2 on CPU, 4 on CUDA)",
+                      "(default: 4 on CPU, 16 on CUDA)", "(default: 0)"):
+            assert shown in " ".join(out.split()), out
+    if argv == ["check"]:
+        assert "(default: 33)" in out and "(default: 512)" in out
+
+
+def test_import_fusepass_needs_neither_transformers_nor_torchao():
+    import subprocess
+    import sys
+
+    code = "import sys, fusepass, fusepass.cli; print(sorted({'transformers', 'torchao'} & set(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr

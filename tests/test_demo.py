@@ -1,58 +1,184 @@
-"""``fusepass demo`` end to end on CPU, its model, and its argument errors."""
+"""``fusepass demo`` end to end on CPU (a transformers Llama, quantized by torchao or by
+hand), its quantizers, and its argument errors.
 
-import copy
+The two end-to-end runs compile two graphs each (Inductor on CPU: tens of seconds); the
+argument errors fail before anything is built.
+"""
+
+import re
+import sys
 
 import pytest
 import torch
 
 import fusepass
 from fusepass import cli
-from fusepass.demo.model import Shape, build, quantize
 
-SMALL = Shape(layers=2, dim=128, hidden=256, heads=4, kv_heads=2)
+# A model as small as the demo takes: 1 layer, 8 quantized linears (7 + lm_head).
+TINY_SIZES = ["--layers", "1", "--hidden-size", "128", "--intermediate-size", "256", "--heads", "2",
+              "--kv-heads", "1", "--vocab-size", "256"]
+SHORT = ["--device", "cpu", "--prompt-len", "16", "--new-tokens", "6"]
+PROJS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+SUMMARY = re.compile(r"^(prefill|decode) b(\d+): fusepass: (\d+) quantized matmuls?, (\d+) fused, (\d+) left alone",
+                     re.M)
 
 
-def test_demo_runs_and_fuses_every_linear(capsys):
-    assert cli.main(["demo", "--device", "cpu", "--layers", "1", "--dim", "128", "--hidden", "256", "--tokens", "24"]) == 0
+def _summaries(out: str) -> dict[str, tuple[int, int, int]]:
+    """``{"decode b1": (found, fused, left)}`` from the fusion report's summary lines."""
+    return {f"{m[1]} b{m[2]}": (int(m[3]), int(m[4]), int(m[5])) for m in SUMMARY.finditer(out)}
+
+
+def _accuracy(out: str, name: str) -> float:
+    """The relative error of ``name``'s decode logits vs the bf16 model's."""
+    m = re.search(rf"^    {name} +relative error (\S+), top-1 agreement (\d+)/(\d+) ", out, re.M)
+    assert m, out
+    return float(m[1])
+
+
+def _check_report(out: str, graphs: set[str]) -> dict[str, tuple[int, int, int]]:
+    """Every graph reported, the 8 quantized linears in each, found = fused + left, and a
+    table row per linear, by module path."""
+    s = _summaries(out)
+    assert set(s) == graphs, out
+    for found, fused, left in s.values():
+        assert found == 8 and fused + left == found, out
+    for proj in PROJS:
+        assert re.search(rf"^model\.layers\.0\.{re.escape(proj)}  ", out, re.M), out
+    assert re.search(r"^lm_head  ", out, re.M), out
+    return s
+
+
+def _check_accuracy_and_tokens(out: str, new_tokens: int) -> None:
+    """The decode logits of the compiled model are as close to bf16's as eager's (W8A8 of a
+    random model: a few % off), and the greedy tokens are compared (a near tie may make
+    compiled and eager quantized differ, as either may differ from bf16)."""
+    assert f"  decode ({new_tokens - 1} steps):" in out, out
+    fused, eager = _accuracy(out, "fusepass-compiled"), _accuracy(out, "eager quantized")
+    assert fused < 0.1 and fused < 1.5 * eager + 1e-3, out
+    m = re.search(rf"^  fusepass-compiled vs eager quantized: (\d+)/{new_tokens} tokens agree", out, re.M)
+    assert m and 1 <= int(m[1]) <= new_tokens, out  # the first token comes from the same eager prefill
+    assert f"... greedy generation, {new_tokens} tokens: compiling with backend=fusepass (the decode step) done (" \
+        in out
+
+
+def test_demo_default_model_end_to_end(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    assert cli.main(["demo", *SHORT, *TINY_SIZES, "--batch", "2"]) == 0
     out = capsys.readouterr().out
-    assert "fusepass: 4 quantized matmuls, 4 fused, 0 left alone" in out
-    for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-        assert f"layers.0.{proj}: aten._int_mm(int8[24, " in out
-    assert "fused vs eager quantized:  max abs" in out and "fused vs bf16 model:" in out
-    assert "... compiling with backend='fusepass' and running done (" in out
-    assert out.rstrip().endswith("Every quantized linear fused.")
+    assert "LlamaForCausalLM, 1 layer, hidden 128" in out and "(random weights from a config)" in out
+    assert "torchao Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)" in out
+    _check_report(out, {"prefill b1", "prefill b2", "decode b1", "decode b2"})
+    assert "... tracing decode b2 for the fusion report done (" in out
+    _check_accuracy_and_tokens(out, 6)
+    assert "Speed on" not in out  # no timings on CPU unless asked
 
 
-@pytest.mark.parametrize("scheme,pattern", [("int8", "int_mm_scaled"), ("int8-azp", "int_mm_azp_per_token")])
-def test_every_linear_of_the_model_fuses(scheme, pattern):
-    model = build(SMALL, "cpu")
-    qmodel = quantize(copy.deepcopy(model), scheme)
-    x = torch.randn(1, 24, SMALL.dim, dtype=torch.bfloat16)
-    report = fusepass.explain(qmodel, x)
-    assert len(report.decisions) == 4 * SMALL.layers
-    assert {d.pattern for d in report.decisions} == {pattern}
-    with torch.no_grad():  # the quantized model approximates the bf16 one
-        rel = (qmodel(x).float() - model(x).float()).norm() / model(x).float().norm()
-    assert rel < 0.05
+def test_demo_loads_a_checkpoint_with_handwritten_linears(tmp_path, capsys):
+    """--model: from_pretrained of a checkpoint this test saves; --quantizer handwritten:
+    the plain-PyTorch W8A8 linears, every one of which fuses in the prefill."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=256,
+                                      initializer_range=128**-0.5)  # unit-variance activations, as trained
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    argv = ["demo", "--device", "cpu", "--model", str(tmp_path), "--quantizer", "handwritten", "--quant", "int8-asym",
+            "--prompt-len", "16", "--new-tokens", "4", "--batch", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"({tmp_path})" in out and "hand-written QuantLinear" in out
+    s = _check_report(out, {"prefill b1", "decode b1"})
+    assert s["prefill b1"] == (8, 8, 0), out
+    _check_accuracy_and_tokens(out, 4)
+
+
+@pytest.mark.gpu
+def test_demo_on_cuda_with_the_speed_table_and_its_plot(tmp_path, capsys):
+    """The CUDA path at small sizes: the prefill compiled too, the speed table (bf16, stock
+    torch.compile, fusepass; default mode and CUDA graphs) and its PNG. Compiles 20 graphs."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "speed.png"
+    argv = ["demo", "--device", "cuda", "--layers", "1", "--hidden-size", "512", "--intermediate-size", "1024",
+            "--heads", "4", "--kv-heads", "2", "--vocab-size", "1024", "--prompt-len", "64", "--new-tokens", "4",
+            "--batch", "4", "--plot", str(png)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "  prefill (64 positions):" in out and "  decode (3 steps):" in out, out
+    for model in ("bf16, torch.compile", "W8A8 int8 (torchao), torch.compile", "W8A8 int8 (torchao), fusepass"):
+        for mode in ("default", "CUDA graphs"):
+            assert f"| {model} | {mode} | " in out, out
+    assert not re.search(r"^\| W8A8 int8 \(torchao\), fusepass \|.*fails", out, re.M), out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("quantizer,quant,pattern", [
+    ("torchao", "int8-asym", None),
+    ("handwritten", "int8", "int_mm_scaled"),
+    ("handwritten", "int8-asym", "int_mm_azp_per_token"),
+])
+def test_quantized_linears_of_the_model(quantizer, quant, pattern):
+    """Each quantizer's W8A8 copy stays close to the bf16 model, and explain finds all its
+    quantized linears by module path; the hand-written ones all fuse (prefill)."""
+    pytest.importorskip("transformers")
+    if quantizer == "torchao":
+        pytest.importorskip("torchao")
+    from fusepass.demo import models
+
+    model = models.random_llama(models.Sizes(1, 128, 256, 2, 1, 256), 32, torch.device("cpu"), seed=0)
+    qmodel = models.quantized_copy(model, quant, quantizer)
+    ids = models.prompt(model, 2, 12, seed=0)
+    with torch.no_grad():
+        ref, got = model(ids).logits.float(), qmodel(ids).logits.float()
+    assert (got - ref).norm() / ref.norm() < 0.05
+    report = fusepass.explain(qmodel, dynamic=False, **models.prefill_inputs(ids))
+    assert {d.module for d in report.decisions} == {f"model.layers.0.{p}" for p in PROJS} | {"lm_head"}, str(report)
+    if pattern is not None:
+        assert {d.pattern for d in report.decisions} == {pattern}, str(report)
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["demo", "--scheme", "fp8", "--device", "cpu"], "--scheme fp8 needs a CUDA GPU"),
-    (["demo", "--scheme", "int4"], "invalid choice: 'int4'"),
-    (["demo", "--dim", "100", "--heads", "3"], "--dim (100) must divide by --heads (3)"),
-    (["demo", "--dim", "120", "--heads", "4", "--kv-heads", "2"], "must be multiples of 16"),
-    (["demo", "--layers", "0"], "must be >= 1"),
-    (["demo", "--tokens", "0", "--device", "cpu"], "--tokens and --decode-batch must be >= 1"),
+    (["demo", "--quant", "int4"], "invalid choice: 'int4'"),
+    (["demo", "--quant", "fp8", "--device", "cpu"], "--quant fp8 needs a CUDA GPU"),
+    (["demo", "--quantizer", "bitsandbytes"], "invalid choice: 'bitsandbytes'"),
+    (["demo", "--device", "cpu", "--hidden-size", "100", "--heads", "3"],
+     "--hidden-size (100) must divide by --heads (3)"),
+    (["demo", "--device", "cpu", "--hidden-size", "120", "--heads", "4", "--kv-heads", "2"], "must be a multiple of 8"),
+    (["demo", "--device", "cpu", "--hidden-size", "136", "--heads", "1", "--kv-heads", "1"], "must be multiples of 16"),
+    (["demo", "--device", "cpu", "--layers", "0"], "must be >= 1"),
+    (["demo", "--device", "cpu", "--prompt-len", "0"], "--prompt-len must be >= 1"),
+    (["demo", "--device", "cpu", "--batch", "-1"], "--batch must be >= 1"),
     (["demo", "--layers", "two"], "invalid int value: 'two'"),
+    (["demo", "--device", "cpu", "--model", "./no/such/checkpoint"], "--model ./no/such/checkpoint: no such directory"),
+    (["demo", "--device", "cpu", "--model", "org/name", "--layers", "2"], "--layers set the random model's sizes"),
+    (["demo", "--device", "cpu", "--plot", "speed.png"], "--plot draws the speed table, which runs on CUDA only"),
 ])
 def test_demo_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     err = capsys.readouterr().err + str(e.value.code)
     assert e.value.code != 0 and message in err
+    assert "Traceback" not in err
+
+
+def test_demo_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(SystemExit) as e:
+        cli.main(["demo", "--device", "cpu", "--speed", "--plot", str(tmp_path / "speed.png")])
+    assert e.value.code != 0 and "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["transformers", "torchao"])
+def test_demo_without_its_dependencies(module, monkeypatch):
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    with pytest.raises(SystemExit, match=rf"fusepass demo needs {module}: pip install 'fusepass\[demo\]'"):
+        cli.main(["demo", "--device", "cpu"])
 
 
 def test_demo_cuda_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--device cuda given but no CUDA GPU is available"):
-        cli.main(["demo", "--device", "cuda", "--layers", "1", "--dim", "128", "--hidden", "256"])
+        cli.main(["demo", "--device", "cuda"])

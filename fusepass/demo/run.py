@@ -1,139 +1,165 @@
-"""``fusepass demo``: what fusepass does to a W8A8 Llama-style model, on this machine."""
+"""``fusepass demo``: what fusepass does to a W8A8 transformers model, on this machine.
+
+Builds (or loads) a causal LM in bf16 and its W8A8 copy, then reports: what each quantized
+linear became in the prefill and decode graphs (``fusepass.explain``), the logits of the
+fusepass-compiled model against bf16 next to eager's, greedy-token agreement, and (on
+CUDA, or with ``--speed``) the speed table, optionally as a PNG (``--plot``).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 # The backend object, not its name: the demo also runs from a source tree (no entry point).
 from ..backend import fusepass_backend
-from ..explain import explain
-from ..ops.checks import MIN_FP8_CAPABILITY
-from .model import Shape, build, quantize
+from . import models
 
-# Defaults by device: a small model on CPU (Inductor compiles C++ there); on CUDA,
-# Llama-3-8B-shaped layers.
-CPU_DEFAULTS = dict(layers=2, dim=256, hidden=512, heads=4, kv_heads=2, tokens=32, decode_batch=4)
-CUDA_DEFAULTS = dict(layers=2, dim=4096, hidden=14336, heads=32, kv_heads=8, tokens=2048, decode_batch=16)
+# Defaults by device: a tiny model on CPU (Inductor compiles C++ there, slowly); on CUDA,
+# Llama-3-8B-sized layers (a smaller vocabulary, to save memory).
+CPU_DEFAULTS = dict(layers=2, hidden_size=256, intermediate_size=512, heads=4, kv_heads=2, vocab_size=1024,
+                    prompt_len=32, new_tokens=16, batch=4)
+CUDA_DEFAULTS = dict(layers=4, hidden_size=4096, intermediate_size=14336, heads=32, kv_heads=8, vocab_size=32000,
+                     prompt_len=2048, new_tokens=32, batch=16)
+
+
+@dataclass
+class Options:
+    device: torch.device
+    model: str | None  # a checkpoint (directory or hub id); None: random, of ``sizes``
+    sizes: models.Sizes | None
+    quant: str  # models.QUANTS
+    quantizer: str  # models.QUANTIZERS
+    prompt_len: int
+    new_tokens: int
+    batch: int
+    speed: bool
+    plot: str | None
+    seed: int = 0
+    verbose: bool = False
 
 
 @contextlib.contextmanager
 def step(what: str):
-    """Show a long step while it runs, and how long it took."""
+    """Show a long step while it runs, how long it took, and what the step put in the
+    dict it is given under "result" (a measurement, say)."""
     print(f"... {what}", end="", flush=True)
     t0 = time.perf_counter()
-    yield
-    print(f" done ({time.perf_counter() - t0:.1f} s)", flush=True)
+    note: dict = {}
+    try:
+        yield note
+    except BaseException:
+        print(" failed", flush=True)
+        raise
+    result = f": {note['result']}" if "result" in note else ""
+    print(f" done ({time.perf_counter() - t0:.1f} s){result}", flush=True)
 
 
-def _rel(a, b) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+def run(o: Options) -> int:
+    """The whole demo; 0 if the fusepass-compiled model ran, else 1."""
+    with warnings.catch_warnings():
+        # torchao's tensor subclasses have no stable hash: AOTAutograd's cache says so once a graph.
+        warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching.*")
+        # torchao 0.17 warns of its own deprecated classes at each quantize and trace.
+        warnings.filterwarnings("ignore", message="Deprecation: ", category=UserWarning)
+        warnings.filterwarnings("ignore", category=SyntaxWarning)  # (torchao 0.17 docstrings, at import)
+        model, qmodel, ids = _build(o)
+        reports = _fusion(o, qmodel, ids)
+        ok = _accuracy(o, model, qmodel, ids[:1])
+        if o.speed:
+            _speed(o, model, qmodel, ids)
+    decisions = [d for r in reports.values() for d in r.decisions]
+    partial = sum(bool(getattr(d, "partial", False)) for d in decisions)
+    if decisions and all(d.fused for d in decisions):
+        print("Every quantized linear fused in every graph"
+              + (f" ({partial} in part, see why above)." if partial else "."))
+    else:
+        print(f"{sum(not d.fused for d in decisions)} of {len(decisions)} quantized matmuls (all graphs) left alone: "
+              "see the fusion report.")
+    return 0 if ok else 1
 
 
-def _ms(fn, x) -> float:
-    """Median ms of fn(x), timed with CUDA events after warm-up (triton.testing.do_bench,
-    which also flushes L2 between calls)."""
-    from triton.testing import do_bench
-
-    return do_bench(lambda: fn(x), warmup=50, rep=300, return_mode="median")
+def _batches(o: Options) -> tuple[int, ...]:
+    return (1,) if o.batch == 1 else (1, o.batch)
 
 
-@dataclass
-class Timing:
-    name: str
-    prefill: float | None
-    decode: float | None
-    note: str = ""
+def _build(o: Options):
+    """The bf16 model, its W8A8 copy, and random prompts [batch, prompt_len]."""
+    with step("importing transformers" + " and torchao" * (o.quantizer == "torchao")), models.quiet_imports():
+        if o.quantizer == "torchao":
+            import torchao  # noqa: F401
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    with step("building the bf16 model and its W8A8 copy"), models.quiet_imports():
+        if o.model is None:
+            model = models.random_llama(o.sizes, o.prompt_len + o.new_tokens, o.device, o.seed)
+        else:
+            model = models.load_pretrained(o.model, o.device)
+        qmodel = models.quantized_copy(model, o.quant, o.quantizer)
+        ids = models.prompt(model, o.batch, o.prompt_len, o.seed)
+    how = (f"torchao {models.TORCHAO_CONFIGS[o.quant]}" if o.quantizer == "torchao"
+           else "the hand-written QuantLinear (fusepass/demo/handwritten.py)")
+    source = "random weights from a config" if o.model is None else o.model
+    print(f"\nfusepass demo on {o.device}: {models.describe(model)} ({source}), bf16;\n"
+          f"W8A8 {o.quant}: every linear quantized by {how}\n")
+    return model, qmodel, ids
 
 
-def check_device(scheme: str, device: torch.device) -> None:
-    """Raise SystemExit with a clear message where the scheme cannot run."""
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("fusepass demo: --device cuda given but no CUDA GPU is available")
-    if scheme == "fp8":
-        if device.type != "cuda":
-            raise SystemExit("fusepass demo: --scheme fp8 needs a CUDA GPU (fp8 matmuls run on GPUs only); "
-                             "use --scheme int8 or int8-azp on CPU")
-        cap = torch.cuda.get_device_capability(device)
-        if tuple(cap) < MIN_FP8_CAPABILITY:
-            raise SystemExit(f"fusepass demo: --scheme fp8 needs compute capability >= 8.9; {device} has {cap[0]}.{cap[1]}")
+def _fusion(o: Options, qmodel, ids):
+    """``fusepass.explain`` on the prefill and decode graphs, at batch 1 and ``o.batch``."""
+    from .fusion import explain_steps, format_reports
+
+    max_len = o.prompt_len + o.new_tokens
+    steps = {f"prefill b{b}": models.prefill_inputs(ids[:b]) for b in _batches(o)}
+    steps.update({f"decode b{b}": models.decode_inputs(ids[:b], models.static_cache(qmodel, b, max_len))
+                  for b in _batches(o)})
+    reports = explain_steps(qmodel, steps, step)
+    print(f"\nFusion report (fusepass.explain; prefill: the {o.prompt_len}-token prompt; decode: one token, "
+          f"with a static KV cache; b: sequences):\n{format_reports(reports, o.verbose)}\n")
+    return reports
 
 
-def run(scheme: str, device: torch.device, shape: Shape, tokens: int, decode_batch: int, seed: int) -> int:
-    check_device(scheme, device)
-    print(f"fusepass demo: {shape.layers}-layer Llama-style decoder (dim {shape.dim}, hidden {shape.hidden}, "
-          f"{shape.heads} heads / {shape.kv_heads} kv), bf16, {scheme} W8A8, on {device}")
-    with step("building the bf16 model and its quantized copy"):
-        model = build(shape, device, seed=seed)
-        qmodel = quantize(copy.deepcopy(model), scheme)
-        g = torch.Generator(device=device).manual_seed(seed)
-        x = torch.randn(1, tokens, shape.dim, device=device, dtype=torch.bfloat16, generator=g)
-        xd = torch.randn(decode_batch, 1, shape.dim, device=device, dtype=torch.bfloat16, generator=g)
-    with step("tracing for the fusion report"):
-        report = explain(qmodel, x)
-    print(f"\nFusion report (prefill, {tokens} tokens):\n{report}\n")
+def _accuracy(o: Options, model, qmodel, prompt) -> bool:
+    """Greedy generation compiled with fusepass, eager quantized and bf16; the compiled
+    model's logits vs bf16's next to eager's. False if the compiled run failed."""
+    from .accuracy import forced_logits, format_accuracy, greedy
 
-    with torch.no_grad():
-        with step("compiling with backend='fusepass' and running"):
-            fused = torch.compile(qmodel, backend=fusepass_backend)
-            out = fused(x)
-        ref_q, ref_bf16 = qmodel(x), model(x)
-    exact = copy.deepcopy(model).double()(x.double()) if device.type == "cpu" else None
-    print("\nAccuracy (prefill output):")
-    print(f"  fused vs eager quantized:  max abs {(out.float() - ref_q.float()).abs().max().item():.3g}, "
-          f"rel {_rel(out, ref_q):.2e}")
-    print(f"  fused vs bf16 model:       rel {_rel(out, ref_bf16):.2e}   (eager quantized vs bf16: {_rel(ref_q, ref_bf16):.2e})")
-    if exact is not None:
-        print(f"  vs float64 model:          fused {_rel(out, exact):.2e}, eager quantized {_rel(ref_q, exact):.2e}")
-    print("  (compiled and eager runs round differently in between, and each layer re-quantizes its input,\n"
-          "   so they drift apart by about the quantization error; both stay as close to the bf16 model)")
-    if device.type == "cuda":
-        _latency(model, qmodel, x, xd)
-    ok = bool(report.decisions) and not report.left
-    print("\nEvery quantized linear fused." if ok else f"\n{len(report.left)} quantized linear(s) left alone (see the report).")
-    return 0
+    # Inductor compiles C++ on a CPU, slowly: there only the decode step (the graph generate
+    # runs new_tokens - 1 times) is compiled; on CUDA the prefill too.
+    compile_prefill = o.device.type == "cuda"
+    what = "prefill and decode" if compile_prefill else "the decode step"
+    with step(f"greedy generation, {o.new_tokens} token{'s' * (o.new_tokens > 1)}: compiling with "
+              f"backend=fusepass ({what})"):
+        fused = greedy("fusepass-compiled", qmodel, prompt, o.new_tokens, fusepass_backend, compile_prefill)
+    with step("greedy generation: eager quantized and bf16 models"):
+        eager = greedy("eager quantized", qmodel, prompt, o.new_tokens)
+        bf16 = greedy("bf16", model, prompt, o.new_tokens)
+        ref_q = ref_bf16 = None
+        if fused.tokens is not None:  # the references read the compiled run's tokens
+            ref_q, ref_bf16 = forced_logits(qmodel, prompt, fused.tokens), forced_logits(model, prompt, fused.tokens)
+    report = format_accuracy(fused, eager, bf16, ref_q, ref_bf16, o.prompt_len, o.new_tokens, compile_prefill)
+    print(f"\n{report}\n")
+    return not fused.error
 
 
-def _latency(model, qmodel, x, xd) -> None:
-    """Prefill and decode latency of bf16 vs stock-compiled quantized vs fusepass."""
-    variants = [("bf16, torch.compile", model, {}), ("W8A8, torch.compile", qmodel, {}),
-                ("W8A8, fusepass", qmodel, {"backend": fusepass_backend})]
-    rows = []
-    with torch.no_grad():
-        for name, m, kw in variants:
-            times = {}
-            for phase, inp, mode in (("prefill", x, None), ("decode", xd, "reduce-overhead")):
-                with step(f"compiling and timing {name}, {phase} ({inp.shape[0] * inp.shape[1]} tokens"
-                          f"{', CUDA graphs' if mode else ''})"):
-                    torch._dynamo.reset()
-                    try:
-                        fn = torch.compile(m, mode=mode, **kw)
-                        times[phase] = _ms(fn, inp)
-                    except Exception as e:  # e.g. torch._int_mm has no path for M <= 16
-                        times[phase] = None
-                        times[phase + "_error"] = str(e).strip().splitlines()[0][:80]
-            note = "; ".join(f"{p} fails: {times[p + '_error']}" for p in ("prefill", "decode") if times.get(p + "_error"))
-            rows.append(Timing(name, times["prefill"], times["decode"], note))
-    _print_table(rows, x, xd)
+def _speed(o: Options, model, qmodel, ids) -> None:
+    """The speed table (and its plot): bf16, stock torch.compile and fusepass."""
+    from .timing import format_table, measure
 
+    quant = f"W8A8 {o.quant} ({o.quantizer})"
+    ours = f"{quant}, fusepass"
+    variants = [("bf16, torch.compile", model, {}), (f"{quant}, torch.compile", qmodel, {}),
+                (ours, qmodel, {"backend": fusepass_backend})]
+    table = measure(variants, ids, _batches(o), o.prompt_len + o.new_tokens, step)
+    print(f"\n{format_table(table, ours)}\n")
+    if o.plot:
+        from .plot import plot
 
-def _print_table(rows, x, xd) -> None:
-    fmt = lambda v: "fails" if v is None else f"{v * 1000:.0f} us" if v < 1 else f"{v:.2f} ms"  # noqa: E731
-    ours = rows[-1]
-
-    def speedup(base, mine):
-        return "-" if base is None or mine is None else f"{base / mine:.2f}x"
-
-    print(f"\nLatency on {torch.cuda.get_device_name()} (median, CUDA events; decode with CUDA graphs):")
-    print(f"| model | prefill ({x.shape[1]} tokens) | decode ({xd.shape[0]} tokens) | fusepass speedup prefill / decode |")
-    print("|---|---|---|---|")
-    for r in rows:
-        sp = "-" if r is ours else f"{speedup(r.prefill, ours.prefill)} / {speedup(r.decode, ours.decode)}"
-        print(f"| {r.name} | {fmt(r.prefill)} | {fmt(r.decode)} | {sp} |")
-    for r in rows:
-        if r.note:
-            print(f"  {r.name}: {r.note}")
+        plot(table, f"fusepass demo: {models.describe(qmodel)}, {quant}", o.plot)
+        print(f"wrote {o.plot}\n")

@@ -1,0 +1,182 @@
+"""The demo's model: a transformers causal LM (random from a config, or a checkpoint), its
+W8A8 copy (torchao, or the hand-written linears of ``handwritten.py``), and the inputs of
+its prefill and decode steps.
+
+transformers and torchao are imported inside the functions: ``import fusepass`` needs neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+QUANTS = ("int8", "int8-asym", "fp8")
+QUANTIZERS = ("torchao", "handwritten")
+# set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for
+# the whole process, which made each compile of the CUDA demo model minutes long (bf16 decode
+# step, 4 Llama-3-8B layers on an H200: 165 s vs 4 s) and changes the bf16 baseline's kernels
+# too; every model of the demo compiles with Inductor's defaults instead.
+TORCHAO_CONFIGS = {
+    "int8": "Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)",
+    "int8-asym": "Int8DynamicActivationInt8WeightConfig(act_mapping_type=MappingType.ASYMMETRIC, "
+                 "set_inductor_config=False)",
+    "fp8": "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)",
+}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The random model's sizes (transformers' LlamaConfig names)."""
+
+    layers: int
+    hidden_size: int
+    intermediate_size: int
+    heads: int
+    kv_heads: int
+    vocab_size: int
+
+    def problems(self) -> list[str]:
+        """What is wrong with these sizes, in the flags' words (empty if nothing)."""
+        if min(self.layers, self.hidden_size, self.intermediate_size, self.heads, self.kv_heads, self.vocab_size) < 1:
+            return ["--layers, --hidden-size, --intermediate-size, --heads, --kv-heads and --vocab-size must be >= 1"]
+        out = []
+        if self.hidden_size % self.heads or self.heads % self.kv_heads:
+            out.append(f"--hidden-size ({self.hidden_size}) must divide by --heads ({self.heads}), "
+                       f"and --heads by --kv-heads ({self.kv_heads})")
+        elif (self.hidden_size // self.heads) % 8:
+            out.append(f"the head size hidden-size / heads = {self.hidden_size // self.heads} must be a multiple of 8")
+        if self.hidden_size % 16 or self.intermediate_size % 16:
+            out.append(f"--hidden-size ({self.hidden_size}) and --intermediate-size ({self.intermediate_size}) "
+                       "must be multiples of 16 (int8 matmuls' alignment)")
+        return out
+
+
+@contextlib.contextmanager
+def quiet_imports():
+    """Silence the warnings torchao's import logs (optional kernels not built for this
+    machine, deprecated pytree registrations): nothing the demo uses."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def random_llama(sizes: Sizes, max_len: int, device: torch.device, seed: int) -> nn.Module:
+    """A LlamaForCausalLM from a config: random weights, nothing downloaded. Weights are drawn
+    like a trained model's scale (unit-variance activations through every linear), so that
+    quantization error and greedy decoding look as they would on a real model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        hidden_size=sizes.hidden_size, intermediate_size=sizes.intermediate_size,
+        num_hidden_layers=sizes.layers, num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads,
+        vocab_size=sizes.vocab_size, max_position_embeddings=max_len, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=m.in_features**-0.5)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight)
+    return model.eval()
+
+
+def checkpoint(name: str) -> str:
+    """``--model``'s value as from_pretrained takes it: a local directory where it names one
+    (ValueError where it looks like a path but is not a directory), else a hub id."""
+    local = os.path.expanduser(name)
+    if os.path.isabs(local) or name.startswith((".", "~")) or os.path.exists(local):
+        if not os.path.isdir(local):
+            raise ValueError(f"--model {name}: no such directory")
+        return local
+    return name
+
+
+def load_pretrained(name: str, device: torch.device) -> nn.Module:
+    """``from_pretrained`` of a local directory or a hub id (needs the network), in bf16.
+    Raises SystemExit with a one-line reason where it cannot."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        name = checkpoint(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+    except (OSError, ValueError, KeyError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"fusepass demo: cannot load --model {name}: {reason}") from None
+    return model.to(device).eval()
+
+
+def quantized_copy(model: nn.Module, quant: str, quantizer: str) -> nn.Module:
+    """A W8A8 copy of ``model``: every nn.Linear (lm_head included) quantized by torchao's
+    config for ``quant`` (TORCHAO_CONFIGS), or by the hand-written QuantLinear."""
+    qmodel = copy.deepcopy(model)
+    if quantizer == "handwritten":
+        from .handwritten import quantize
+
+        return quantize(qmodel, quant)
+    with quiet_imports():
+        from torchao.quantization import (
+            Float8DynamicActivationFloat8WeightConfig,
+            Int8DynamicActivationInt8WeightConfig,
+            MappingType,
+            PerRow,
+            quantize_,
+        )
+        config = {
+            "int8": lambda: Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
+            "int8-asym": lambda: Int8DynamicActivationInt8WeightConfig(
+                act_mapping_type=MappingType.ASYMMETRIC, set_inductor_config=False),
+            "fp8": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
+        }[quant]()
+        quantize_(qmodel, config)  # (it imports more of torchao)
+    return qmodel
+
+
+def describe(model: nn.Module) -> str:
+    c = model.config
+    return (f"{type(model).__name__}, {c.num_hidden_layers} layer{'s' * (c.num_hidden_layers != 1)}, "
+            f"hidden {c.hidden_size}, intermediate "
+            f"{c.intermediate_size}, {c.num_attention_heads} heads / {c.num_key_value_heads} kv heads, "
+            f"vocab {c.vocab_size}")
+
+
+def prompt(model: nn.Module, batch: int, length: int, seed: int) -> torch.Tensor:
+    """Random token ids [batch, length] (no tokenizer needed; the same for every model)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=g).to(model.device)
+
+
+def prefill_inputs(ids: torch.Tensor) -> dict:
+    """The prefill step as generate runs it: the whole prompt, logits of its last position."""
+    return dict(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+
+def static_cache(model: nn.Module, batch: int, max_len: int):
+    """A transformers StaticCache, allocated now (not inside a compiled region)."""
+    from transformers import StaticCache
+
+    c = model.config
+    cache = StaticCache(config=c, max_cache_len=max_len)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    cache.early_initialization(batch_size=batch, num_heads=c.num_key_value_heads, head_dim=head_dim,
+                               dtype=torch.bfloat16, device=model.device)
+    return cache
+
+
+def decode_inputs(ids: torch.Tensor, cache) -> dict:
+    """One decode step: one new token per sequence, appended to ``cache`` (a StaticCache,
+    whose attention spans all its slots whatever their fill)."""
+    return dict(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
