@@ -95,17 +95,11 @@ def int_mm_impl(a: Tensor, b: Tensor) -> Tensor:
     return _compute(a, b, None, None, torch.int32, None)
 
 
-_ops = {
-    name: triton_op(f"fusepass::{name}", impl, mutates_args=())
-    for name, impl in (("scaled_mm", scaled_mm_impl), ("scaled_mm_azp", scaled_mm_azp_impl), ("int_mm", int_mm_impl))
-}
-
-# The implementation each op's node is lowered to (fusepass.passes.lower).
-IMPLS = {
-    torch.ops.fusepass.scaled_mm.default: scaled_mm_impl,
-    torch.ops.fusepass.scaled_mm_azp.default: scaled_mm_azp_impl,
-    torch.ops.fusepass.int_mm.default: int_mm_impl,
-}
+# The registrations, and the implementation each op's node is lowered to (fusepass.passes.lower).
+IMPLS = {}
+for _name, _impl in (("scaled_mm", scaled_mm_impl), ("scaled_mm_azp", scaled_mm_azp_impl), ("int_mm", int_mm_impl)):
+    triton_op(f"fusepass::{_name}", _impl, mutates_args=())
+    IMPLS[getattr(torch.ops.fusepass, _name).default] = _impl
 
 
 # --- Python wrappers ---------------------------------------------------------------------
@@ -133,9 +127,9 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
     Returns a contiguous [M, N] tensor of out_dtype. int8 accumulates exactly in int32,
     fp8 in fp32; the epilogue runs in fp32. Same as ``torch.ops.fusepass.scaled_mm``.
     """
-    check_out_dtype("fusepass.scaled_mm", out_dtype)
     if _plain_eager(a, b, scale_a, scale_b, bias):
         return scaled_mm_impl(a, b, scale_a, scale_b, out_dtype, bias)
+    check_out_dtype("fusepass.scaled_mm", out_dtype)  # (the dispatcher's own error is less clear)
     return torch.ops.fusepass.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
 
 
@@ -149,9 +143,9 @@ def scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=Non
     Scales, bias and out_dtype as in :func:`scaled_mm`. Same as
     ``torch.ops.fusepass.scaled_mm_azp``.
     """
-    check_out_dtype("fusepass.scaled_mm_azp", out_dtype)
     if _plain_eager(a, b, scale_a, scale_b, azp_adj, azp, bias):
         return scaled_mm_azp_impl(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
+    check_out_dtype("fusepass.scaled_mm_azp", out_dtype)  # (the dispatcher's own error is less clear)
     return torch.ops.fusepass.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
 
 
