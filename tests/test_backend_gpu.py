@@ -75,6 +75,16 @@ def test_inductor_launches_the_kernels_itself(dynamic):
         assert " <= 16" in code or " <= 64" in code, code
 
 
+def test_no_copies_of_the_kernel_arguments():
+    """One int8 buffer per quantized activation. Unused pointers once took the activation
+    as a placeholder, and Inductor wrote one more copy of it for each (run 5 of NOTES)."""
+    model = MLP().cuda().eval()
+    with torch.no_grad():
+        _, (code, *_) = run_and_get_code(torch.compile(model, backend="fusepass"), _x(64))
+    int8_buffers = [line for line in code.splitlines() if "empty_strided_cuda(" in line and "torch.int8" in line]
+    assert len(int8_buffers) == 2, int8_buffers
+
+
 def test_reduce_overhead_cuda_graphs():
     model, exact = MLP().cuda().eval(), MLP(dtype=None).cuda().eval()
     compiled = torch.compile(model, backend="fusepass", mode="reduce-overhead")

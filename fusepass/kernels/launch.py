@@ -102,10 +102,10 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     tma = cfg.tma and tma_allowed(a, b, fake)
     if tma and not fake and a.is_cuda:
         _ensure_allocator()
-    # Unused vector arguments still need a pointer; the constexpr flags keep them unread.
-    vectors = tuple(v if v is not None else a for v in (scale_a, scale_b, bias, azp_adj, azp))
-    partial = a  # unused at SPLIT_K=1; never ``out`` (one tensor as two written arguments
-    # would alias under functionalization)
+    # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
+    # Inductor gets no second alias of a tensor to clone.
+    vectors = (scale_a, scale_b, bias, azp_adj, azp)
+    partial = None
     if cfg.split_k > 1:
         acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
         partial = torch.empty((cfg.split_k, M, N), dtype=acc_dtype, device=a.device)
