@@ -82,7 +82,7 @@ def test_no_copies_of_the_kernel_arguments():
     with torch.no_grad():
         _, (code, *_) = run_and_get_code(torch.compile(model, backend="fusepass"), _x(64))
     int8_buffers = [line for line in code.splitlines() if "empty_strided_cuda(" in line and "torch.int8" in line]
-    assert len(int8_buffers) == 2, int8_buffers
+    assert 1 <= len(int8_buffers) <= 2, int8_buffers  # (Inductor may reuse one for the other)
 
 
 def test_reduce_overhead_cuda_graphs():
