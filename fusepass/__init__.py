@@ -2,13 +2,14 @@
 
 Three ways in: ``torch.compile(model, backend="fusepass")``;
 ``torch.compile(model, options=fusepass.inductor_options())``; or the ops themselves,
-``fusepass.scaled_mm`` / ``fusepass.scaled_mm_azp`` (``torch.ops.fusepass.*``).
+``fusepass.scaled_mm`` / ``fusepass.scaled_mm_azp`` / ``fusepass.scaled_mm_blockwise``
+(``torch.ops.fusepass.*``).
 ``fusepass.explain(model, *inputs)`` reports what the pass fuses and why not.
 """
 
 from .backend import fusepass_backend, inductor_options
 from .explain import Report, explain
-from .ops import int_mm, scaled_mm, scaled_mm_azp
+from .ops import int_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise
 from .passes import FusePass, PassConfig
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "int_mm",
     "scaled_mm",
     "scaled_mm_azp",
+    "scaled_mm_blockwise",
 ]

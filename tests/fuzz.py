@@ -13,6 +13,7 @@ built not to be did not.
 
     python -m tests.fuzz --programs 500                 # the long run (pass on the traced graph)
     python -m tests.fuzz --programs 50 --backend fusepass --device cuda   # through Inductor
+    python -m tests.fuzz --family blockwise --programs 200   # block-wise fp8 forms (_draw_blockwise)
 """
 
 from __future__ import annotations
@@ -174,6 +175,103 @@ def _draw(seed: int, device: str) -> Program:
     return p
 
 
+def _draw_blockwise(seed: int, device: str) -> Program:
+    """A block-wise fp8 program (1x128 activation groups, 128x128 weight blocks): dequantize,
+    then ``F.linear`` (scales spread by repeat_interleave, expand + reshape or a grouped view;
+    2-D or 3-D activations; the dequantized operands kept in fp32 or rounded to bf16), or on
+    CUDA ``torch._scaled_mm`` (CPU has no block-wise mode, and the checker runs eager first);
+    then a per-token or number factor, bias, a cast, a tail; a mid-chain value or the dequantized
+    weight with another user; groups of 64 (must not fuse). Static M: a dynamic one would make
+    the scales' group counts symbolic too (tests/passes/test_blockwise_pass.py marks M alone)."""
+    rnd = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    kind = rnd.choice(["dequant", "dequant", "scaled_mm"] if device == "cuda" else ["dequant"])
+    spread = rnd.choice(["repeat_interleave", "expand", "grouped_view"])
+    if spread == "grouped_view":  # views into whole 128-wide groups need K, N multiples of 128
+        N, K = rnd.choice([128, 256]), rnd.choice([256, 384])
+    else:  # CUDA's _scaled_mm needs multiples of 16
+        cuda = device == "cuda"
+        N, K = rnd.choice([128, 208, 256] if cuda else [64, 200, 256]), rnd.choice([144, 256, 384] if cuda else [96, 256, 300])
+    M = rnd.choice([1, 8, 12] if kind == "scaled_mm" else [1, 8, 20])  # _scaled_mm fuses at M <= 16 on CUDA
+    three_d = kind == "dequant" and M % 2 == 0 and rnd.random() < 0.3
+    dq_dtype = rnd.choice([torch.float32, torch.bfloat16])  # the dequantized operands' dtype
+    out_dtype = rnd.choice(OUT if kind == "dequant" else OUT[1:])
+    # The bias has the dtype of what it is added to (CUDA's _scaled_mm: its output dtype).
+    bias_dtype = rnd.choice([None, out_dtype if kind == "scaled_mm" else dq_dtype])
+    factor = rnd.choice([None, "token", "number"])
+    weight_user = kind == "dequant" and rnd.random() < 0.1  # the dequantized weight used again: must not fuse
+    mid_user = factor is not None and not weight_user and rnd.random() < 0.15  # in part
+    group = 64 if kind == "dequant" and rnd.random() < 0.12 else 128  # 64: must not fuse
+    tail = rnd.choice([None, None, "residual", "relu", "silu"])
+    kg, nb, kb = -(-K // group), -(-N // 128), -(-K // 128)
+    w = _q((N, K), torch.float8_e4m3fn, g).to(device)
+    sw = (torch.rand(nb, kb, generator=g) * 0.02 + 1e-3).to(device)
+    bias = None if bias_dtype is None else torch.randn(N, generator=g).to(bias_dtype).to(device)
+
+    def spread_rows(s, n, size):  # s [..., groups] over the last dim in groups of n, cut to size
+        if spread == "repeat_interleave":
+            return s.repeat_interleave(n, -1)[..., :size]
+        return s.unsqueeze(-1).expand(*s.shape, n).reshape(*s.shape[:-1], -1)[..., :size]
+
+    def dequant_x(x, sa):
+        if spread == "grouped_view" and group == 128:
+            return (x.reshape(*x.shape[:-1], -1, 128).to(torch.bfloat16) * sa.unsqueeze(-1)).reshape(x.shape).to(dq_dtype)
+        return (x.to(torch.bfloat16) * spread_rows(sa, group, K)).to(dq_dtype)
+
+    def dequant_w():
+        if spread == "grouped_view":
+            s4 = sw[:, None, :, None].expand(-1, 128, -1, 128)
+            return (w.reshape(nb, 128, kb, 128).to(torch.bfloat16) * s4).reshape(N, K).to(dq_dtype)
+        return (w.to(torch.bfloat16) * spread_rows(spread_rows(sw.t(), 128, N).t(), 128, K)).to(dq_dtype)
+
+    def inputs_for(M, s):
+        gg = torch.Generator().manual_seed(s)
+        x = _q((M, K), torch.float8_e4m3fn, gg).to(device)
+        sa = (torch.rand(M, kg, generator=gg) * 0.02 + 1e-3).to(device)
+        s_tok = (torch.rand(M, 1, generator=gg) + 0.5).to(device)
+        res = torch.randn(M, N, generator=gg).to(out_dtype).to(device)
+        if three_d:
+            x, sa = x.reshape(2, M // 2, K), sa.reshape(2, M // 2, kg)
+        return x, sa, s_tok, res
+
+    def fn(x, sa, s_tok, res):
+        extra = None
+        if kind == "scaled_mm":
+            y = torch._scaled_mm(x, w.t(), sa.t().contiguous().t(), sw.t(), bias=bias, out_dtype=out_dtype)
+        else:
+            wd = dequant_w()
+            extra = wd if weight_user else None
+            y = torch.nn.functional.linear(dequant_x(x, sa), wd)
+        lead = x.shape[:-1]
+        if factor is not None:
+            y = y * (s_tok.reshape(*lead, 1) if factor == "token" else 0.25)
+            extra = y if mid_user else extra
+        if kind == "dequant" and bias is not None:
+            y = y + bias
+        y = y.to(out_dtype)
+        if tail is not None:
+            y = {"residual": lambda: y + res.reshape(y.shape), "relu": lambda: torch.relu(y),
+                 "silu": lambda: torch.nn.functional.silu(y)}[tail]()
+        return y if extra is None else (y, extra.float().sum())
+
+    def oracle(x, sa, s_tok, res):
+        a = x.reshape(-1, K).double() * sa.reshape(-1, kg).double().repeat_interleave(group, 1)[:, :K]
+        b = w.double() * sw.double().repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K]
+        acc, mag = a @ b.t(), a.abs() @ b.abs().t()
+        f = s_tok.reshape(-1, 1).double() if factor == "token" else 0.25 if factor == "number" else 1.0
+        acc, mag = acc * f, mag * f
+        if bias is not None:
+            acc, mag = acc + bias.double(), mag + bias.double().abs()
+        return acc, mag
+
+    p = Program(seed, f"blockwise-{kind}", not (weight_user or group != 128), False, fn=fn, oracle=oracle,
+                out_dtype=out_dtype, qdtype=torch.float8_e4m3fn, inputs=inputs_for(M, seed), partial=mid_user, tail=tail)
+    p.desc = [p.kind, f"spread={spread}", f"group={group}", f"N={N}", f"K={K}", f"M={M}", f"3d={three_d}",
+              f"dq={str(dq_dtype)[6:]}", f"out={str(out_dtype)[6:]}", f"bias={str(bias_dtype)[6:]}", f"factor={factor}",
+              f"weight_user={weight_user}", f"mid_user={mid_user}", f"tail={tail}"]
+    return p
+
+
 def _q(shape, dtype, g):
     if dtype == torch.int8:
         return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
@@ -262,10 +360,13 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="capture", choices=["capture", "fusepass"],
                     help="capture: the pass on the graph Inductor would see (fast); fusepass: full Inductor")
+    ap.add_argument("--family", default="w8a8", choices=["w8a8", "blockwise"],
+                    help="w8a8: int8 / fp8 with per-tensor, per-token, per-channel scales; blockwise: fp8 block scales")
     args = ap.parse_args(argv)
+    draw = _draw_blockwise if args.family == "blockwise" else _draw
     bad, fused_n, t0 = [], 0, time.time()
     for i in range(args.programs):
-        p = _draw(args.seed + i, args.device)
+        p = draw(args.seed + i, args.device)
         try:
             problem = check(p, args.backend)
         except Exception as e:  # a crash is a finding too

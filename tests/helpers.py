@@ -91,9 +91,10 @@ def oracle(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     return out, mag
 
 
-def assert_matches_oracle(out: torch.Tensor, p: Problem, out_dtype, *, extra_ulps=0.0):
+def assert_matches_oracle(out: torch.Tensor, p: Problem, out_dtype, *, extra_ulps=0.0, oracle=oracle):
     """out is within one rounding to out_dtype (plus fp32 epilogue/accumulation error) of the
-    float64 oracle. extra_ulps widens the allowance by that many out_dtype ulps."""
+    float64 oracle (``oracle(p)``: value, magnitude). extra_ulps widens the allowance by that
+    many out_dtype ulps."""
     ref, mag = oracle(p)
     assert out.dtype == out_dtype and out.shape == ref.shape
     K = p.a.shape[1]

@@ -30,6 +30,19 @@ import triton.language as tl
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of tile ``pid`` in grouped order: GROUP_M rows of tiles share B in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def _epilogue(
     acc,  # (BLOCK_M, BLOCK_N) int32 or fp32
     offs_m, offs_n,  # (BLOCK_M,), (BLOCK_N,) int64, already wrapped into range
@@ -87,16 +100,7 @@ def scaled_mm_kernel(
     USE_TMA: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the pointer loads
 ):
-    # Grouped ordering of the tiles, so that GROUP_M rows of tiles share B in L2.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     # This program's slice of K, in whole blocks (empty for trailing splits of a short K).
     k_blocks = tl.cdiv(K, BLOCK_K)

@@ -1,5 +1,6 @@
 """The ``torch.ops.fusepass.*`` custom ops; importing this package registers them."""
 
 from .scaled_mm import int_mm, scaled_mm, scaled_mm_azp
+from .blockwise import scaled_mm_blockwise  # (after scaled_mm: it adds its op to IMPLS)
 
-__all__ = ["int_mm", "scaled_mm", "scaled_mm_azp"]
+__all__ = ["int_mm", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise"]

@@ -125,6 +125,16 @@ def _check_k(op: str, K, max_k: int) -> None:
         )
 
 
+def _check_bias(op: str, bias, N, tensors: dict) -> None:
+    """``bias`` is None or [N] of an output dtype; adds it to ``tensors`` (for the device check)."""
+    if bias is None:
+        return
+    _check_tensor(op, "bias", bias, BIAS_DTYPES)
+    if bias.dim() != 1 or bias.shape[0] != N:
+        raise ValueError(f"{op}: `bias` must be [N] with N = {N}; got {_describe(bias)}")
+    tensors["bias"] = bias
+
+
 def check_int_mm_args(op: str, a, b) -> None:
     """Validate the arguments of ``int_mm``."""
     _, K, _ = _check_operands(op, a, b, (torch.int8,))
@@ -152,11 +162,7 @@ def check_scaled_mm_args(
     _check_scale(op, "scale_a", scale_a, M, 0)
     _check_scale(op, "scale_b", scale_b, N, 1)
     tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b}
-    if bias is not None:
-        _check_tensor(op, "bias", bias, BIAS_DTYPES)
-        if bias.dim() != 1 or bias.shape[0] != N:
-            raise ValueError(f"{op}: `bias` must be [N] with N = {N}; got {_describe(bias)}")
-        tensors["bias"] = bias
+    _check_bias(op, bias, N, tensors)
     if with_azp:
         _check_tensor(op, "azp_adj", azp_adj, AZP_DTYPES)
         if not _is_vector_of(azp_adj, N, 1):
@@ -175,4 +181,72 @@ def check_scaled_mm_args(
     _check_devices(op, tensors)
     if a.dtype == torch.int8:
         _check_k(op, K, MAX_K_INT8_AZP if with_azp else MAX_K_INT8)
+    check_gpu(op, a.device, a.dtype)
+
+
+# --- block-wise scales (fusepass.scaled_mm_blockwise) -------------------------------------
+
+# The DeepSeek-V3 recipe, as torch._scaled_mm, cuBLAS and vLLM's CUTLASS kernels take it: one
+# activation scale per 1x128 group (a row, 128 of K), one weight scale per 128x128 block.
+BLOCK = 128
+
+
+def _ceil_div(n, d):
+    return (n + d - 1) // d
+
+
+def blocks(n):
+    """How many 128-wide groups cover ``n`` (the last one ragged); works on SymInts."""
+    return _ceil_div(n, BLOCK)
+
+
+def _check_block_scale_a(op: str, t, M, K) -> None:
+    _check_tensor(op, "scale_a", t, (torch.float32,))
+    kb = blocks(K)
+    if t.dim() == 2 and t.shape[0] == M and t.shape[1] == kb:
+        return
+    hint = ""
+    if t.dim() == 2 and t.shape[0] == kb and t.shape[1] == M:
+        hint = "; that is [ceil(K/128), M]: pass its transpose `scale_a.t()` (an M-major view, as cuBLAS takes it)"
+    elif t.dim() == 2 and t.shape[0] == M and t.shape[1] == 1:
+        hint = "; one scale per row is per-token scaling: use fusepass.scaled_mm"
+    elif t.dim() == 2 and t.shape[0] == M and t.shape[1] > 0:
+        hint = f"; {t.shape[1]} groups over K = {K} would be {_ceil_div(K, t.shape[1])}-wide, not 128"
+    raise ValueError(
+        f"{op}: `scale_a` must be [M, ceil(K/128)] = [{M}, {kb}], one scale per row of `a` and 128-wide "
+        f"group of K (K = {K}); got {_describe(t)}{hint}"
+    )
+
+
+def _check_block_scale_b(op: str, t, K, N) -> None:
+    _check_tensor(op, "scale_b", t, (torch.float32,))
+    kb, nb = blocks(K), blocks(N)
+    if t.dim() == 2 and t.shape[0] == kb and t.shape[1] == nb:
+        return
+    hint = ""
+    if t.dim() == 2 and t.shape[0] == nb and t.shape[1] == kb:
+        hint = ("; that is [ceil(N/128), ceil(K/128)], the layout of an [N, K] weight's scales: pass its "
+                "transpose, as `b` is the weight's (`scale_b=w_scale.t()`)")
+    elif t.dim() == 2 and t.shape[0] == (kb + 3) // 4 * 4 and t.shape[1] == nb:
+        hint = f"; cuBLAS's layout pads the K blocks to a multiple of 4: pass `scale_b[:{kb}]`"
+    elif t.dim() == 2 and t.shape[0] == kb and t.shape[1] == N:
+        hint = "; one scale per column of `b` (1x128 weight groups) is not supported: the op takes 128x128 blocks"
+    elif t.dim() == 2 and t.shape[0] > 0 and t.shape[1] > 0:
+        hint = (f"; {t.shape[0]}x{t.shape[1]} blocks over [K, N] = [{K}, {N}] would be "
+                f"{_ceil_div(K, t.shape[0])}x{_ceil_div(N, t.shape[1])}, not 128x128")
+    raise ValueError(
+        f"{op}: `scale_b` must be [ceil(K/128), ceil(N/128)] = [{kb}, {nb}], one scale per 128x128 block of "
+        f"`b` [K, N] = [{K}, {N}]; got {_describe(t)}{hint}"
+    )
+
+
+def check_scaled_mm_blockwise_args(op: str, a, b, scale_a, scale_b, out_dtype, bias) -> None:
+    """Validate the arguments of ``scaled_mm_blockwise`` (float8_e4m3fn only)."""
+    M, K, N = _check_operands(op, a, b, (torch.float8_e4m3fn,))
+    check_out_dtype(op, out_dtype)
+    _check_block_scale_a(op, scale_a, M, K)
+    _check_block_scale_b(op, scale_b, K, N)
+    tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b}
+    _check_bias(op, bias, N, tensors)
+    _check_devices(op, tensors)
     check_gpu(op, a.device, a.dtype)

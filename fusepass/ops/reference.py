@@ -5,11 +5,17 @@
 int8: ``acc`` is accumulated exactly in int32, and an int32 zero-point correction is
 applied in int32 too (exact, like the kernel). fp8: ``acc`` is fp32. The epilogue then
 runs in fp32 and rounds once to ``out_dtype``, in the same order as the Triton kernel.
+
+Block-wise fp8 (``scaled_mm_blockwise``): the scales change along K, so they are applied
+per 128-wide group of K, to that group's fp32 sum, before the groups are added.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from .checks import BLOCK
 
 
 def accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -44,7 +50,11 @@ def epilogue(
 ) -> torch.Tensor:
     """Scale rows and columns of the accumulator, add bias, round once to ``out_dtype``."""
     x = acc.to(torch.float32)
-    x = x * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1)
+    return add_bias_and_round(x * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1), out_dtype, bias)
+
+
+def add_bias_and_round(x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+    """The end of every epilogue: ``+ bias`` in fp32, one rounding to ``out_dtype``."""
     if bias is not None:
         x = x + bias.to(torch.float32)
     return x.to(out_dtype).contiguous()
@@ -57,3 +67,22 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
 def scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None):
     acc = zero_point_correction(accumulate(a, b), azp_adj, azp)
     return epilogue(acc, scale_a, scale_b, out_dtype, bias)
+
+
+def accumulate_blockwise(a, b, scale_a, scale_b) -> torch.Tensor:
+    """``sum_g scale_a[:, g] * scale_b[g, n // 128] * (a[:, K_g] @ b[K_g, :])`` in fp32, with
+    ``K_g`` the g-th 128-wide group of K: each group's products are summed in fp32, then scaled,
+    then the groups are added (what the kernel does). K is zero-padded to whole groups.
+    Holds a [groups, M, N] fp32 intermediate: fine for a reference, not for large CPU problems."""
+    M, K = a.shape
+    N = b.shape[1]
+    groups = scale_a.shape[1]
+    pad = groups * BLOCK - K
+    a3 = F.pad(a.to(torch.float32), (0, pad)).reshape(M, groups, BLOCK).transpose(0, 1)  # [G, M, 128]
+    b3 = F.pad(b.to(torch.float32), (0, 0, 0, pad)).reshape(groups, BLOCK, N)  # [G, 128, N]
+    sb = scale_b.repeat_interleave(BLOCK, dim=1)[:, :N]  # [G, N]: one value per column
+    return (torch.bmm(a3, b3) * scale_a.t()[:, :, None] * sb[:, None, :]).sum(0)
+
+
+def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None):
+    return add_bias_and_round(accumulate_blockwise(a, b, scale_a, scale_b), out_dtype, bias)

@@ -56,10 +56,13 @@ class Epilogue:
     view: fx.Node | None = None  # the last view consumed: the output takes its shape
     arithmetic: bool = False  # the chain holds a cast, multiply, zero point or bias (not only views)
     stop: str = ""  # why the epilogue ended before a step it could not take ("": it did not)
+    # The matmul applies 128x128 block scales itself (patterns/blockwise.py): its output is
+    # already dequantized, and a per-channel factor cannot join its per-block weight scales.
+    block_scaled: bool = False
 
     @property
     def scaled(self) -> bool:
-        return bool(self.rows or self.cols or self.scalars)
+        return self.block_scaled or bool(self.rows or self.cols or self.scalars)
 
     @property
     def factors(self) -> list:
@@ -177,6 +180,9 @@ class _Walker:
                 raise
             if ep.bias is not None:
                 raise Rejected("a multiply follows the bias add; the fused epilogue adds the bias last")
+            if ep.block_scaled and any(axis is Axis.COL for _, axis in factors):
+                raise Rejected("a per-channel multiply follows a block-wise matmul, whose weight scales are per "
+                               "128x128 block")
             return lambda: [ep.add_factor(f, axis) for f, axis in factors]
         if is_call(user, aten.add.Tensor) and user.kwargs.get("alpha", 1) == 1:
             other = _other(user, cur)

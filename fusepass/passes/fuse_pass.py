@@ -52,7 +52,7 @@ class PassConfig:
     # fp8 matmuls (rows 6-7) fuse only for a static M at most this: above it cuBLAS's
     # _scaled_mm is the faster (H200 measurement: benchmarks/NOTES.md, run 4).
     fp8_max_m: int = 16
-    # Pattern families to run, by module name (int_mm, scaled_mm, dequant_mm).
+    # Pattern families to run, by module name (int_mm, blockwise, scaled_mm, dequant_mm).
     patterns: tuple = tuple(PATTERNS)
 
     def __post_init__(self):

@@ -43,6 +43,22 @@ class Candidate:
         azp = self.ep.azp_adj is not None or self.a_zero_point is not None
         return "fusepass.scaled_mm_azp" if azp else "fusepass.scaled_mm"
 
+    def insert_op(self, ins: Inserter, a: fx.Node, b: fx.Node, out_dtype, device) -> fx.Node:
+        """Insert the fused op on the (viewed) operands; a pattern with an op of its own
+        overrides this (patterns/blockwise.py)."""
+        ep = self.ep
+        sa, sb = _scales(ins, ep, device)
+        bias = None if ep.bias is None else ins.flat(ep.bias)
+        azp_adj = azp = None
+        if self.a_zero_point is not None:
+            azp_adj, azp = _activation_zero_point(ins, self.a_zero_point, b)
+        elif ep.azp_adj is not None:
+            azp_adj, azp = ep.azp_adj, ep.azp
+        if azp_adj is None:
+            return ins.call(fusepass.scaled_mm.default, a, b, sa, sb, out_dtype, bias)
+        azp = None if azp is None else _zero_point(ins, azp)
+        return ins.call(fusepass.scaled_mm_azp.default, a, b, sa, sb, out_dtype, _zero_point(ins, azp_adj), azp, bias)
+
 
 def check_operands(a: fx.Node, b: fx.Node, dtypes, *, azp: bool = False) -> None:
     """The quantized operands the ops take: same dtype, same supported device, exact K."""
@@ -111,18 +127,7 @@ def emit(graph: fx.Graph, cand: Candidate) -> fx.Node:
     try:
         a = cand.a if cand.a_view is None else ins.call(aten.view.default, cand.a, cand.a_view)
         b = ins.call(aten.permute.default, cand.b, [1, 0]) if cand.b_t else cand.b
-        sa, sb = _scales(ins, ep, device)
-        bias = None if ep.bias is None else ins.flat(ep.bias)
-        azp_adj = azp = None
-        if cand.a_zero_point is not None:
-            azp_adj, azp = _activation_zero_point(ins, cand.a_zero_point, b)
-        elif ep.azp_adj is not None:
-            azp_adj, azp = ep.azp_adj, ep.azp
-        if azp_adj is not None:
-            azp = None if azp is None else _zero_point(ins, azp)
-            out = ins.call(fusepass.scaled_mm_azp.default, a, b, sa, sb, out_dtype, _zero_point(ins, azp_adj), azp, bias)
-        else:
-            out = ins.call(fusepass.scaled_mm.default, a, b, sa, sb, out_dtype, bias)
+        out = cand.insert_op(ins, a, b, out_dtype, device)
         if ep.view is not None:
             out = ins.call(aten.view.default, out, ep.view.args[1])
     except (TypeError, ValueError) as e:  # the op's own checks refused the arguments

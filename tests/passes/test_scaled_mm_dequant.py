@@ -95,29 +95,6 @@ reshape_default_1: f32[40] = aten.reshape(sb, [-1])
 scaled_mm_default: bf16[8, 40] = fusepass.scaled_mm(a, b, reshape_default, reshape_default_1, bf16, bias)
 return [scaled_mm_default]""")
 
-    @pytest.mark.skipif(not hasattr(F, "scaled_mm"), reason="torch.nn.functional.scaled_mm is torch >= 2.12")
-    def test_functional_scaled_mm_block_wise_is_not_fused(self):
-        def f(a, b, sa, sb):
-            return F.scaled_mm(a, b, sa, F.ScalingType.BlockWise1x128, sb, F.ScalingType.BlockWise128x128,
-                               output_dtype=torch.bfloat16)
-
-        from torch._inductor.decomposition import select_decomp_table
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.proxy_tensor import make_fx
-
-        from fusepass.passes import FusePass
-
-        with FakeTensorMode():  # block-wise scaled_mm runs on CUDA only: trace a fake CUDA graph
-            cuda = dict(device="cuda")
-            args = (torch.empty(8, 256, dtype=torch.float8_e4m3fn, **cuda),
-                    torch.empty(256, 256, dtype=torch.float8_e4m3fn, **cuda).t(),
-                    # the layouts cuBLAS takes: outer-dim-major scales, K blocks rounded up to 4 for b
-                    torch.empty(2, 8, **cuda).t(), torch.empty(2, 4, **cuda).t())
-            gm = make_fx(f, select_decomp_table(), tracing_mode="fake")(*args)
-        (d,) = FusePass().run(gm.graph)
-        self.assertFalse(d.fused)
-        self.assertIn("block-wise ones do not", d.reason)
-
     def test_row8_linear_of_dequantized_tensors(self):
         def f(xq, sx, wq, sw, bias):
             return F.linear(xq.float() * sx, wq.float() * sw, bias)

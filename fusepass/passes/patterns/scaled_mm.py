@@ -15,7 +15,8 @@ one rule, where the fused kernel is the faster: a static M at most
 ``PassConfig.fp8_max_m``. Above it (and for a symbolic M, prefill's) cuBLAS keeps the
 matmul, and Inductor the elementwise ops after it.
 
-Not matched: ``scale_result``, block-wise or swizzled scales, float8_e5m2.
+Not matched: ``scale_result``, block-wise or swizzled scales (``blockwise.py``, tried first, takes
+DeepSeek-V3's 1x128 x 128x128 recipe), float8_e5m2.
 """
 
 from __future__ import annotations

@@ -1,0 +1,97 @@
+"""The block-wise scaled fp8 GEMM (DeepSeek-V3's recipe): float8_e4m3fn operands with one fp32
+scale per 1x128 group of ``a`` (a row, 128 of K) and one per 128x128 block of ``b``, applied in
+the main loop, then the bias and the cast in registers and one write of the output.
+
+    out[m, n] = sum_g scale_a[m, g] * scale_b[g, n // 128] * (a[m, K_g] @ b[K_g, n]) + bias[n]
+
+with ``K_g`` the g-th 128-wide group of K. The scales change from one group to the next, so
+they cannot wait for the epilogue: each group is summed into an fp32 partial (``GROUP_K //
+BLOCK_K`` dots; BLOCK_K divides 128), which is scaled by ``scale_a[:, g] x scale_b[g, :]`` and
+added to the fp32 accumulator. Hopper's fp8 MMAs add at reduced precision, so the partial is
+promoted to fp32 every BLOCK_K (``max_num_imprecise_acc``), as in ``scaled_mm.py``.
+
+Pointer loads only (no TMA, no split-K yet): row/column offsets are 64-bit, ragged M and N
+wrap around (in-bounds loads, results masked at the store), and a ragged K (``EVEN_K`` off:
+K not a multiple of 128) is masked with zeros, so the last group's missing products add 0.
+Any strides for ``a``, ``b`` and both scales (an M-major ``scale_a`` as cuBLAS takes it, a
+transposed ``scale_b`` view as vLLM passes it).
+
+``blockwise_launch.py`` chooses the configuration and launches this kernel.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .scaled_mm import grouped_tile
+
+
+@triton.jit
+def blockwise_mm_kernel(
+    # Operands
+    a_ptr, b_ptr, out_ptr,  # (M, K), (K, N), (M, N); a and b float8_e4m3fn
+    scale_a_ptr, scale_b_ptr,  # (M, ceil(K/128)), (ceil(K/128), ceil(N/128)); fp32
+    bias_ptr,  # (N,); None when unused
+    # Sizes
+    M, N, K,
+    # Strides (any layout)
+    stride_am, stride_ak,
+    stride_bk, stride_bn,
+    stride_om, stride_on,
+    stride_sam, stride_sag,  # scale_a: per row, per K group
+    stride_sbg, stride_sbn,  # scale_b: per K group, per N block
+    # Epilogue variant
+    HAS_BIAS: tl.constexpr,
+    # Tiling
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K divides GROUP_K
+    GROUP_M: tl.constexpr,
+    GROUP_K: tl.constexpr,  # 128: the scale block along K and N
+    EVEN_K: tl.constexpr,  # K % GROUP_K == 0: no mask on the loads
+):
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+
+    # 64-bit row/column indices; rows/columns past the edge wrap around to valid ones.
+    offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # (BLOCK_M,)
+    offs_n = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # (BLOCK_N,)
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # (BLOCK_K,)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
+    step_a = tl.cast(stride_ak, tl.int64) * BLOCK_K
+    step_b = tl.cast(stride_bk, tl.int64) * BLOCK_K
+    # The scales of K group 0, a column of scale_a and a row of scale_b (one value per column:
+    # a BLOCK_N tile may span several 128-wide N blocks).
+    sa_ptrs = scale_a_ptr + offs_m * stride_sam  # (BLOCK_M,)
+    sb_ptrs = scale_b_ptr + (offs_n // GROUP_K) * stride_sbn  # (BLOCK_N,)
+    step_sa = tl.cast(stride_sag, tl.int64)
+    step_sb = tl.cast(stride_sbg, tl.int64)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for g in range(0, tl.cdiv(K, GROUP_K)):
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in tl.static_range(GROUP_K // BLOCK_K):
+            if EVEN_K:
+                a_tile = tl.load(a_ptrs)
+                b_tile = tl.load(b_ptrs)
+            else:
+                k_left = K - (g * GROUP_K + s * BLOCK_K)
+                # other=0.0: the interpreter needs a float fill for fp8.
+                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            part = tl.dot(a_tile, b_tile, part, max_num_imprecise_acc=BLOCK_K)
+            a_ptrs += step_a
+            b_ptrs += step_b
+        sa = tl.load(sa_ptrs)  # (BLOCK_M,)
+        sb = tl.load(sb_ptrs)  # (BLOCK_N,)
+        acc += part * sa[:, None] * sb[None, :]
+        sa_ptrs += step_sa
+        sb_ptrs += step_sb
+
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+    # Store with unwrapped indices so the wrapped (duplicate) rows/columns are masked off.
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
+             acc.to(out_ptr.dtype.element_ty), mask=mask)

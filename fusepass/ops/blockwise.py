@@ -1,0 +1,96 @@
+"""The op ``fusepass::scaled_mm_blockwise``: an fp8 matmul with block-wise (DeepSeek-V3-style)
+scales. With ``K_g`` the g-th 128-wide group of K (the last one ragged), it computes
+
+    out = sum_g scale_a[:, g, None] * scale_b[g, n // 128] * (a[:, K_g] @ b[K_g, :]) + bias
+
+each group summed in fp32, scaled, added into an fp32 accumulator; bias added in fp32 and
+the result rounded once to ``out_dtype``.
+
+Arguments (the order of ``scaled_mm``, and of vLLM's ``cutlass_scaled_mm``):
+
+- ``a`` [M, K] and ``b`` [K, N]: float8_e4m3fn, any strides (``b`` is usually ``w.t()`` of a
+  row-major [N, K] weight). Any M >= 0; K and N need not be multiples of 128.
+- ``scale_a``: fp32 [M, ceil(K/128)], one scale per row and 128-wide group of K (1x128), any
+  strides: row-major as a per-token-group quantizer writes it, or M-major (``s.t().contiguous()
+  .t()``, stride (1, M)) as cuBLAS's block-wise ``torch._scaled_mm`` and vLLM's CUTLASS take it.
+- ``scale_b``: fp32 [ceil(K/128), ceil(N/128)], one scale per 128x128 block of ``b``, any
+  strides. Oriented like ``b``: the scales of an [N, K] weight are stored [ceil(N/128),
+  ceil(K/128)] (DeepSeek-V3 checkpoints, vLLM's ``weight_scale_inv``), and are passed
+  transposed, ``w_scale.t()``, exactly as ``b = w.t()`` (this is what ``torch._scaled_mm`` and
+  vLLM's ``cutlass_scaled_mm`` take too). Where ceil(K/128) == ceil(N/128) the shape cannot
+  tell a forgotten transpose: the check can only catch it on a non-square block grid.
+  cuBLAS's ``torch.nn.functional.scaled_mm`` pads the K blocks of ``scale_b`` to a multiple
+  of 4: pass ``scale_b[:ceil(K/128)]``.
+- ``out_dtype``: bfloat16, float16 or float32. ``bias``: [N] in one of those dtypes, or None.
+
+Returns a new contiguous [M, N] tensor of ``out_dtype``. Bad input raises before any kernel
+runs (``checks.check_scaled_mm_blockwise_args``): ``TypeError`` for a dtype, ``ValueError``
+for a shape or device, with what was expected, what was given, and where the given shape is
+a known other layout (the transpose of either scale, cuBLAS's padded ``scale_b``, per-token
+or per-column scales, another block size), what to pass instead.
+
+Why a sibling op rather than more scale shapes for ``scaled_mm``: a scale's shape alone does
+not say its recipe. At K <= 128 a 1x128 ``scale_a`` is [M, 1], a per-token scale's shape; at
+M = 1 it is [1, ceil(K/128)], as are 128x128 blocks of ``a`` at any M <= 128 (torch's
+``_scaled_mm`` tells them apart by the other operand's scale); with a symbolic M or K, telling
+layouts apart would put guards on sizes into the compiled graph. PyTorch itself moved from
+shape-inferred recipes (``_scaled_mm``) to explicit ones (``_scaled_mm_v2``). It is also
+another kernel (the scales inside the K loop, not in the epilogue) with its own configs, and
+``scaled_mm``'s contract, checks and tuned table stay as they are.
+
+Like the other ops, it is a ``torch.library.triton_op``: the implementation below (checks,
+then the CPU reference of ``reference.py`` on CPU tensors, or the Triton kernel of
+``fusepass.kernels.blockwise`` on CUDA ones) runs eagerly, serves as the fake implementation,
+and is what ``fusepass.passes.lower`` inlines into Inductor's graph.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.library import triton_op
+
+from ..kernels.blockwise_launch import launch_scaled_mm_blockwise
+from . import reference
+from .checks import check_out_dtype, check_scaled_mm_blockwise_args
+from .scaled_mm import IMPLS, _plain_eager
+
+Tensor = torch.Tensor
+OP = "fusepass.scaled_mm_blockwise"
+
+
+def scaled_mm_blockwise_impl(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[Tensor] = None,
+) -> Tensor:
+    check_scaled_mm_blockwise_args(OP, a, b, scale_a, scale_b, out_dtype, bias)
+    # CPU and meta: the reference; K = 0 anywhere: the empty sum, i.e. the bias alone.
+    if a.device.type != "cuda" or statically_known_true(a.shape[1] == 0):
+        return reference.scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)
+    return launch_scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)
+
+
+triton_op("fusepass::scaled_mm_blockwise", scaled_mm_blockwise_impl, mutates_args=())
+IMPLS[torch.ops.fusepass.scaled_mm_blockwise.default] = scaled_mm_blockwise_impl  # lowered as the others
+
+
+def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
+    """fp8 matmul with DeepSeek-V3-style block-wise scales, rounded once:
+    ``out = sum_g scale_a[:, g] * scale_b[g, n // 128] * (a[:, K_g] @ b[K_g, :]) + bias``.
+
+    a: [M, K] float8_e4m3fn. b: [K, N] float8_e4m3fn, any strides (e.g. ``w.t()``).
+    scale_a: fp32 [M, ceil(K/128)] (1x128 groups), any strides. scale_b: fp32
+    [ceil(K/128), ceil(N/128)] (128x128 blocks of ``b``; for an [N, K] weight's scales pass
+    ``w_scale.t()``). out_dtype: bfloat16, float16 or float32. bias: [N] or None.
+    Returns a contiguous [M, N] tensor. Same as ``torch.ops.fusepass.scaled_mm_blockwise``.
+    """
+    if _plain_eager(a, b, scale_a, scale_b, bias):
+        return scaled_mm_blockwise_impl(a, b, scale_a, scale_b, out_dtype, bias)
+    check_out_dtype(OP, out_dtype)  # (the dispatcher's own error is less clear)
+    return torch.ops.fusepass.scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)

@@ -1,0 +1,103 @@
+"""The block-wise Triton kernel itself (Triton's interpreter on CPU, the GPU when there is one)
+against the float64 oracle, over its tile paths, and its config table."""
+
+import pytest
+import torch
+
+from fusepass.kernels import blockwise_launch as bl
+from fusepass.kernels.blockwise_launch import check_config, launch_scaled_mm_blockwise, select_config
+from fusepass.kernels.configs import Config
+from tests.blockwise_data import BLOCK, block_oracle, blocks, make_block_problem
+from tests.helpers import assert_matches_oracle
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's interpreter rounds fp32 -> bf16 toward zero (see test_scaled_mm_kernel.py).
+BF16_ULPS = 1.0 if DEVICE == "cpu" else 0.0
+
+# Small shapes (the interpreter runs each program in numpy): K below one group, K ragged over
+# three groups (last 44 wide) with N ragged over three blocks, K whole groups (EVEN_K: no
+# masks), and ragged M wrapping around a tile with a last K group one element wide.
+CASES = [
+    ((1, 17, 33), torch.float32, None),
+    ((7, 260, 300), torch.bfloat16, torch.bfloat16),
+    ((32, 136, 384), torch.float16, torch.float32),
+    ((33, 72, 129), torch.float32, torch.float32),
+]
+
+
+def _check(out, p, out_dtype):
+    assert out.shape == (p.a.shape[0], p.b.shape[1]) and out.is_contiguous()
+    ulps = BF16_ULPS if out_dtype == torch.bfloat16 else 0.0
+    assert_matches_oracle(out, p, out_dtype, extra_ulps=ulps, oracle=block_oracle)
+
+
+@pytest.mark.parametrize("shape,out_dtype,bias", CASES, ids=[str(c[0]) for c in CASES])
+def test_kernel_table_config(shape, out_dtype, bias):
+    p = make_block_problem(*shape, bias_dtype=bias, device=DEVICE, seed=shape[0])
+    _check(launch_scaled_mm_blockwise(*p.args(out_dtype)), p, out_dtype)
+
+
+# BLOCK_K below 128: each scale group is 2 or 4 dots; BLOCK_N 256 spans two N blocks, whose
+# scales then differ within one tile.
+@pytest.mark.parametrize("cfg", [Config(16, 256, 64), Config(32, 32, 32)], ids=["k64_n256", "k32"])
+def test_kernel_sub_group_tiles(cfg):
+    p = make_block_problem(20, 300, 300, bias_dtype=torch.float32, device=DEVICE, seed=3)
+    _check(launch_scaled_mm_blockwise(*p.args(torch.float32), config=cfg), p, torch.float32)
+
+
+def test_kernel_any_strides():
+    """M-major scale_a (cuBLAS), a transposed scale_b view (vLLM), a strided a, a row-major b."""
+    p = make_block_problem(9, 140, 200, m_major=True, device=DEVICE, seed=5)
+    p.a = torch.cat([p.a, p.a], dim=1)[:, ::2]
+    p.b = p.b.contiguous()
+    assert p.scale_a.stride() == (1, 9) and p.scale_b.stride() == (1, 2)
+    _check(launch_scaled_mm_blockwise(*p.args(torch.float32)), p, torch.float32)
+
+
+def test_kernel_each_group_and_block_has_its_own_scale():
+    """Exact: ones, per-group and per-block powers of two, ragged last group and block."""
+    M, N, K = 17, 150, 300
+    a = torch.ones(M, K, device=DEVICE).to(torch.float8_e4m3fn)
+    b = torch.ones(K, N, device=DEVICE).to(torch.float8_e4m3fn)
+    sa = (2.0 ** torch.arange(blocks(K), device=DEVICE)).expand(M, -1)  # stride 0 along M: any strides
+    sb = (16.0 ** torch.arange(blocks(N), device=DEVICE)).expand(blocks(K), -1)
+    out = launch_scaled_mm_blockwise(a, b, sa, sb, torch.float32)
+    expected = (128 + 2 * 128 + 4 * 44) * 16.0 ** (torch.arange(N, device=DEVICE) // BLOCK)
+    assert torch.equal(out, expected.expand(M, N))
+
+
+def test_empty_output_launches_nothing(monkeypatch):
+    monkeypatch.setattr(bl, "_run", lambda *a: pytest.fail("launched"))
+    p = make_block_problem(0, 130, 200, device=DEVICE)
+    assert launch_scaled_mm_blockwise(*p.args(torch.bfloat16)).shape == (0, 130)
+
+
+def test_config_buckets_and_fit():
+    assert [select_config(m, 4096, 4096) for m in (1, 16, 17, 64, 65, 256, 257, 16384)] == [
+        bl.CONFIGS[0][1]] * 2 + [bl.CONFIGS[1][1]] * 2 + [bl.CONFIGS[2][1]] * 2 + [bl.CONFIGS[3][1]] * 2
+    small = select_config(3, 17, 33)  # tiles shrunk to the problem; BLOCK_K still divides 128
+    assert (small.block_n, small.block_k) == (32, 64)
+    for _, cfg in bl.CONFIGS:
+        check_config(cfg)
+    tops = [top for top, _ in bl.bucket_choices(4096, 4096)]
+    assert tops == [16, 64, 256, None]
+
+
+def test_bucket_choices_merge_equal_configs(monkeypatch):
+    """A symbolic M gets one cond branch per distinct config (after fitting to N and K)."""
+    a, b = Config(16, 32, 128), Config(64, 128, 128)
+    monkeypatch.setattr(bl, "CONFIGS", ((1, a), (16, Config(16, 64, 128)), (256, b), (None, b)))
+    assert bl.bucket_choices(24, 4096) == [(16, Config(16, 32, 128)), (None, Config(64, 32, 128))]
+
+
+@pytest.mark.parametrize("cfg,message", [
+    (Config(16, 32, 48), "block_k must divide the 128-wide scale groups and be >= 32 (32, 64 or 128); got 48"),
+    (Config(16, 32, 256), "got 256"),
+    (Config(8, 32, 128), "block_m and block_n must be >= 16; got 8, 32"),
+    (Config(16, 32, 128, split_k=2), "no split-K or TMA path; got split_k=2, tma=False"),
+    (Config(16, 32, 128, tma=True), "got split_k=1, tma=True"),
+])
+def test_bad_configs_are_refused(cfg, message):
+    p = make_block_problem(2, 24, 40, device=DEVICE)
+    with pytest.raises(ValueError, match="^block-wise config: .*" + message.replace("(", r"\(").replace(")", r"\)")):
+        launch_scaled_mm_blockwise(*p.args(torch.float32), config=cfg)
