@@ -1,0 +1,383 @@
+"""Tensor parallelism: two CPU processes on gloo, one pool for the whole module.
+
+- the DTensor sharding rules of the ops (``fusepass/ops/sharding.py``): each op on DTensors
+  under each rule against the op on the whole tensors in one process, and which output
+  placement DTensor chose (Partial only where it is exact);
+- ``fusepass.distributed``'s styles on the Llama-style model of ``examples/tp_llama.py``:
+  every quantized linear fuses on each rank, in the local graph DTensor desugars to
+  (capture backend, no Inductor code generation), and once compiled for real with
+  ``backend="fusepass"`` (``run`` of the example: counters, explain, numerics);
+- on a machine with 2 GPUs, the example itself under torchrun (nccl).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+if not (dist.is_available() and dist.is_gloo_available()):
+    pytest.skip("needs torch.distributed with gloo", allow_module_level=True)
+
+from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD = 2
+
+
+# --- the process pool ----------------------------------------------------------------------
+
+
+def _worker(rank, init_file, conn):
+    import fusepass  # noqa: F401  registers the ops and their sharding rules
+
+    # Two ranks share the CI machine's two cores: one thread each, and Inductor compiles in
+    # the rank's process (a pool of compile workers per rank would import torch twice more).
+    torch.set_num_threads(1)
+    torch._inductor.config.compile_threads = 1
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                            timeout=timedelta(seconds=120))
+    while (task := conn.recv()) is not None:
+        fn, args = task
+        try:
+            conn.send(("ok", fn(*args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Ranks:
+    """WORLD spawned processes in one gloo group; ``run(fn, *args)`` calls ``fn(*args)`` on
+    every rank and returns the results by rank. Spawning costs each test module one import
+    of torch and fusepass per rank, not one per test. After a failure the processes are
+    replaced (a rank may be stuck in a collective its peer never joined)."""
+
+    def __init__(self):
+        self._start()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")  # never fork a process that has run torch
+        self.init_file = tempfile.mktemp(prefix="fusepass-gloo-")
+        self.conns, self.procs = [], []
+        for rank in range(WORLD):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, self.init_file, theirs), daemon=True)
+            proc.start()
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def run(self, fn, *args, timeout: float = 600):
+        for conn in self.conns:
+            conn.send((fn, args))
+        results, errors = [], []
+        for rank, conn in enumerate(self.conns):
+            # Once a rank has failed, the others may wait for it in a collective: not long.
+            wait = 10 if errors else timeout
+            try:
+                if not conn.poll(wait):
+                    errors.append(f"rank {rank}: no answer in {wait} s")
+                    continue
+                status, value = conn.recv()
+            except (EOFError, OSError):
+                errors.append(f"rank {rank}: its process died (exit code {self.procs[rank].exitcode})")
+                continue
+            results.append(value)
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+        if errors:
+            self.close(kill=True)
+            self._start()
+            raise AssertionError("\n".join(errors))
+        return results
+
+    def close(self, kill: bool = False):
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive() and not kill:
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=0 if kill else 30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        if os.path.exists(self.init_file):
+            os.unlink(self.init_file)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    pool = Ranks()
+    yield pool
+    pool.close()
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (WORLD,))
+
+
+# --- the sharding rules --------------------------------------------------------------------
+
+M, K, N = 6, 64, 10  # N = 10: 5 columns a rank; M = 6: 3 rows
+
+
+def _problem():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)  # a row-major weight
+    return dict(
+        a=torch.randint(-128, 128, (M, K), generator=g, dtype=torch.int8), w=w,
+        sa=torch.rand(M, 1, generator=g) / 64, sb=torch.rand(1, N, generator=g) / 64,
+        bias=torch.randn(N, generator=g), azp=torch.randint(-20, 20, (M,), generator=g, dtype=torch.int32),
+        colsum=w.sum(1, dtype=torch.int32),
+    )
+
+
+def _rule_case(case: str):
+    """Case ``case`` of RULE_CASES on this rank: the op on DTensors (b = w.t() of a weight
+    distributed as given), and the same op on the whole tensors. Returns the output's
+    placements, whether it equals the 1-process result exactly, and the max relative error."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mesh, p = _mesh(), _problem()
+    f32, ops = torch.float32, torch.ops.fusepass
+    R, S0, S1 = Replicate(), Shard(0), Shard(1)
+
+    def d(name, placement):
+        return distribute_tensor(p[name], mesh, [placement])
+
+    def partial(t):  # a term each rank holds part of: rank 0 all of it, the others zeros
+        return DTensor.from_local(t if dist.get_rank() == 0 else torch.zeros_like(t), mesh, [Partial()])
+
+    local_w = d("w", S1).to_local()  # this rank's K slice: its column sums are its share
+    local_colsum = DTensor.from_local(local_w.sum(1, dtype=torch.int32), mesh, [Partial()])
+    a, b, sa, sb, bias, azp, colsum = (p[k] for k in ("a", "w", "sa", "sb", "bias", "azp", "colsum"))
+    b = b.t()
+    one = torch.tensor(0.01)
+    single, sharded = {
+        "scaled_mm columns": (
+            lambda: ops.scaled_mm(a, b, sa, sb, f32, bias),
+            lambda: ops.scaled_mm(d("a", R), d("w", S0).t(), d("sa", R), d("sb", S1), f32, d("bias", S0))),
+        "scaled_mm columns, [N] and per-tensor scales, bf16": (
+            lambda: ops.scaled_mm(a, b, one, sb.reshape(N), torch.bfloat16),
+            lambda: ops.scaled_mm(d("a", R), d("w", S0).t(), distribute_tensor(one, mesh, [R]),
+                                  distribute_tensor(sb.reshape(N), mesh, [S0]), torch.bfloat16)),
+        "scaled_mm rows": (
+            lambda: ops.scaled_mm(a, b, sa, sb, f32, bias),
+            lambda: ops.scaled_mm(d("a", S0), d("w", R).t(), d("sa", S0), d("sb", R), f32, d("bias", R))),
+        "scaled_mm contraction": (
+            lambda: ops.scaled_mm(a, b, sa, sb, f32),
+            lambda: ops.scaled_mm(d("a", S1), d("w", S1).t(), d("sa", R), d("sb", R), f32)),
+        "scaled_mm contraction, replicated bias": (
+            lambda: ops.scaled_mm(a, b, sa, sb, f32, bias),
+            lambda: ops.scaled_mm(d("a", S1), d("w", S1).t(), d("sa", R), d("sb", R), f32, d("bias", R))),
+        "scaled_mm contraction, partial bias": (
+            lambda: ops.scaled_mm(a, b, sa, sb, f32, bias),
+            lambda: ops.scaled_mm(d("a", S1), d("w", S1).t(), d("sa", R), d("sb", R), f32, partial(bias))),
+        "scaled_mm_azp per-token, columns": (
+            lambda: ops.scaled_mm_azp(a, b, sa, sb, f32, colsum, azp, bias),
+            lambda: ops.scaled_mm_azp(d("a", R), d("w", S0).t(), d("sa", R), d("sb", S1), f32,
+                                      d("colsum", S0), d("azp", R), d("bias", S0))),
+        "scaled_mm_azp per-token, rows": (
+            lambda: ops.scaled_mm_azp(a, b, sa, sb, f32, colsum, azp),
+            lambda: ops.scaled_mm_azp(d("a", S0), d("w", R).t(), d("sa", S0), d("sb", R), f32,
+                                      d("colsum", R), d("azp", S0))),
+        "scaled_mm_azp per-token, contraction, partial colsum": (
+            lambda: ops.scaled_mm_azp(a, b, sa, sb, f32, colsum, azp),
+            lambda: ops.scaled_mm_azp(d("a", S1), d("w", S1).t(), d("sa", R), d("sb", R), f32,
+                                      local_colsum, d("azp", R))),
+        "scaled_mm_azp per-token, contraction, replicated colsum": (
+            lambda: ops.scaled_mm_azp(a, b, sa, sb, f32, colsum, azp),
+            lambda: ops.scaled_mm_azp(d("a", S1), d("w", S1).t(), d("sa", R), d("sb", R), f32,
+                                      d("colsum", R), d("azp", R))),
+        "scaled_mm_azp per-tensor, contraction, partial azp_adj": (
+            lambda: ops.scaled_mm_azp(a, b, sa, sb, f32, 3 * colsum),
+            lambda: ops.scaled_mm_azp(d("a", S1), d("w", S1).t(), d("sa", R), d("sb", R), f32, 3 * local_colsum)),
+        "fusepass.int_mm contraction": (
+            lambda: ops.int_mm(a, b),
+            lambda: ops.int_mm(d("a", S1), d("w", S1).t())),
+        "aten._int_mm columns": (
+            lambda: torch._int_mm(a, b),
+            lambda: torch._int_mm(d("a", R), d("w", S0).t())),
+        "aten._int_mm contraction": (
+            lambda: torch._int_mm(a, b),
+            lambda: torch._int_mm(d("a", S1), d("w", S1).t())),
+    }[case]
+    ref, out = single(), sharded()
+    full = out.full_tensor()
+    err = ((full.double() - ref.double()).abs().max() / ref.double().abs().max()).item()
+    return out.placements[0], torch.equal(full, ref), err
+
+
+# case: (the output placement DTensor must choose, exact: equal to the 1-process result bit
+# for bit; else the ranks' fp32 partial results summed, a few roundings off)
+RULE_CASES = {
+    "scaled_mm columns": (Shard(1), True),
+    "scaled_mm columns, [N] and per-tensor scales, bf16": (Shard(1), True),
+    "scaled_mm rows": (Shard(0), True),
+    "scaled_mm contraction": (Partial("sum"), False),
+    # A replicated bias would be added once per rank: no Partial rule; DTensor redistributes.
+    "scaled_mm contraction, replicated bias": (Replicate(), True),
+    "scaled_mm contraction, partial bias": (Partial("sum"), False),
+    "scaled_mm_azp per-token, columns": (Shard(1), True),
+    "scaled_mm_azp per-token, rows": (Shard(0), True),
+    "scaled_mm_azp per-token, contraction, partial colsum": (Partial("sum"), False),
+    "scaled_mm_azp per-token, contraction, replicated colsum": (Replicate(), True),
+    "scaled_mm_azp per-tensor, contraction, partial azp_adj": (Partial("sum"), False),
+    "fusepass.int_mm contraction": (Partial("sum"), True),  # int32 sums: exact
+    "aten._int_mm columns": (Shard(1), True),
+    "aten._int_mm contraction": (Partial("sum"), True),
+}
+
+
+@pytest.mark.parametrize("case", list(RULE_CASES))
+def test_sharding_rule(ranks, case):
+    placement, exact = RULE_CASES[case]
+    for rank, (got, equal, err) in enumerate(ranks.run(_rule_case, case)):
+        assert got == placement, f"rank {rank}: {case}: output {got}, expected {placement}"
+        assert equal if exact else err < 1e-6, f"rank {rank}: {case}: relative error {err:.3g}"
+
+
+def _refusals():
+    """What each style says of a module it cannot shard."""
+    from torch import nn
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from fusepass.distributed import QuantColwiseParallel
+
+    class Odd(nn.Module):  # a weight, and a [N, 2] tensor that is neither per-channel nor per-tensor
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("wq", torch.zeros(4, 8, dtype=torch.int8))
+            self.register_buffer("table", torch.zeros(4, 2))
+
+    messages = []
+    for module, style in ((nn.Linear(8, 4), QuantColwiseParallel()), (Odd(), QuantColwiseParallel())):
+        try:
+            parallelize_module(module, _mesh(), style)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_styles_refuse_what_they_cannot_shard(ranks):
+    for messages in ranks.run(_refusals):
+        assert messages == [
+            "Linear: no 2-D weight `wq` [N, K] to shard (pass weight=NAME to the style); its tensors: "
+            "['weight', 'bias']",
+            "Odd: `table` (4, 2) is neither per-channel (N = 4 elements) nor per-tensor; cannot shard it column-wise",
+        ]
+
+
+# --- the sharded model ---------------------------------------------------------------------
+
+
+def _config():
+    from examples.tp_llama import Config
+
+    # Small, so that a compile is quick; still 2 heads and 1 kv head per rank.
+    return Config(dim=128, layers=1, heads=4, kv_heads=2, ffn=256, vocab=256, max_len=16)
+
+
+PROMPT = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1))
+STEPS = {"prefill": (PROMPT, torch.arange(8)), "decode": (PROMPT[:, :1], torch.tensor([8]))}
+
+
+def _capture(quant: str, step: str):
+    """The sharded model's ``step`` through the capture backend (the graph the pass sees in
+    Inductor, run eagerly after the pass), against the 1-process model."""
+    from examples.tp_llama import build, rel_err, shard
+    from tests.passes.harness import run_pass
+
+    args = STEPS[step]
+    with torch.no_grad():
+        single = build(_config(), quant, torch.float32, "cpu")
+        single.setup_cache(1)
+        ref = single(*args)
+        model = shard(build(_config(), quant, torch.float32, "cpu"), _mesh(), 1)
+    r = run_pass(model, *args)
+    return r.decisions, r.before, r.after, rel_err(r.out, ref)
+
+
+def _dtensor_keeps_partial_through_mul() -> bool:
+    """Whether this torch's DTensor keeps ``replicated * partial`` Partial (2.13 does; 2.11
+    follows the first operand and all-reduces the partial one)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    mesh = _mesh()
+    x = distribute_tensor(torch.ones(4, 1, dtype=torch.int32), mesh, [Replicate()])
+    y = DTensor.from_local(torch.ones(1, 8, dtype=torch.int32), mesh, [Partial()])
+    return (x * y).placements[0].is_partial()
+
+
+def _check_decisions(rank, decisions, M, pattern, left=frozenset()):
+    """Every quantized linear of the 1-layer model fused whole on this rank (but those in
+    ``left``), on the local shapes: a column-wise linear's N and a row-wise one's K halved
+    (dim 128, 4 heads of 32, ffn 256, vocab 256)."""
+    shapes = {"layers.0.attention.wq": f"int8[{M}, 128] x int8[128, 64]",
+              "layers.0.attention.wk": f"int8[{M}, 128] x int8[128, 32]",
+              "layers.0.attention.wo": f"int8[{M}, 64] x int8[64, 128]",
+              "layers.0.feed_forward.w1": f"int8[{M}, 128] x int8[128, 128]",
+              "layers.0.feed_forward.w2": f"int8[{M}, 128] x int8[128, 128]",
+              "output": f"int8[{M}, 128] x int8[128, 128]"}
+    assert len(decisions) == 8, f"rank {rank}: {[d.module for d in decisions]}"
+    for d in decisions:
+        assert d.fused == (d.module not in left) and not d.partial, f"rank {rank}: {d}"
+        assert not d.fused or d.pattern == pattern, f"rank {rank}: {d}"
+        assert d.module not in shapes or d.shapes == shapes[d.module], f"rank {rank}: {d.module}: {d.shapes}"
+
+
+# (int8, prefill): test_example_compiles_with_the_backend_and_matches_one_process
+@pytest.mark.parametrize("quant, step", [("int8", "decode"), ("int8-asym", "prefill")])
+def test_sharded_model_fuses_every_linear_on_each_rank(ranks, quant, step):
+    pattern = {"int8": "int_mm_scaled", "int8-asym": "int_mm_azp_per_token"}[quant]
+    left = set()
+    if quant == "int8-asym" and not ranks.run(_dtensor_keeps_partial_through_mul)[0]:
+        # torch 2.11: DTensor all-reduces the row-wise colsum and re-splits `azp * colsum`
+        # by dividing it by the world size, in fp32: no longer an int32 zero-point term.
+        left = {"layers.0.attention.wo", "layers.0.feed_forward.w2"}
+    for rank, (decisions, before, after, err) in enumerate(ranks.run(_capture, quant, step)):
+        _check_decisions(rank, decisions, STEPS[step][0].numel(), pattern, left)
+        # The collectives DTensor desugars to: an all-reduce(max) of each row-wise linear's
+        # per-token maxima (and min with zero points), an all-reduce(sum) of each one's
+        # output, the head's all-gather; all outside the fused ops.
+        assert before.count("_c10d_functional.all_reduce(") >= 4 and "all_gather_into_tensor" in before
+        assert after.count("fusepass.scaled_mm") == 8 - len(left) and after.count("aten._int_mm(") == len(left)
+        assert err < 1e-6, f"rank {rank}: relative error {err:.3g} vs the 1-process model"
+
+
+def _example(quant: str):
+    from examples.tp_llama import run
+
+    torch._dynamo.reset()
+    return run(_mesh(), _config(), quant, PROMPT, new_tokens=0, reps=0, dtype=torch.float32)
+
+
+def test_example_compiles_with_the_backend_and_matches_one_process(ranks):
+    """The example's ``run`` (int8 prefill), Inductor for real: one compile per rank."""
+    for rank, r in enumerate(ranks.run(_example, "int8")):
+        assert r.linears == 8 and r.counters == {"int_mm_scaled": 8}, f"rank {rank}: {r.counters}"
+        _check_decisions(rank, r.report.decisions, PROMPT.numel(), "int_mm_scaled")
+        assert r.err_single < 1e-6 and r.ok, f"rank {rank}: {r.err_single:.3g}, {r.err_float}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_example_under_torchrun_on_two_gpus():
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/tp_llama.py",
+         "--device", "cuda", "--layers", "1", "--new-tokens", "4", "--reps", "3"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for rank in range(2):
+        assert f"[rank {rank}] prefill graph, fusepass.explain: fusepass: 8 quantized matmuls, 8 fused, 0 left alone" \
+            in out.stdout, out.stdout
+        assert f"[rank {rank}] compiled with backend='fusepass'" in out.stdout
+    assert out.stdout.count("-> OK") == 2, out.stdout
