@@ -274,7 +274,7 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed calls (median; decode: 4x as many); 0: no timing")
     args = p.parse_args(argv)
     if args.dim % 16 or args.ffn % 16:
-        p.error("--dim and --ffn must be multiples of 16 (int8 matmuls' alignment, on each of the ranks)")
+        p.error("--dim and --ffn must be multiples of 16 (so that each rank's slice keeps int8 matmuls aligned)")
     if args.device == "cuda" and args.batch * args.prompt_len <= 16:
         p.error("on cuda --batch x --prompt-len must be > 16: the eager 1-process reference runs torch._int_mm")
 
@@ -288,7 +288,8 @@ def main(argv=None) -> None:
         raise SystemExit(f"{world} ranks: the model's {Config.kv_heads} kv heads must divide among them")
     mesh = init_device_mesh(device.type, (world,))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    c = Config(dim=args.dim, layers=args.layers, ffn=args.ffn, max_len=args.prompt_len + args.new_tokens)
+    # (one position more than generated: the decode timing runs a step at position prompt_len)
+    c = Config(dim=args.dim, layers=args.layers, ffn=args.ffn, max_len=args.prompt_len + max(args.new_tokens, 1))
     prompt = torch.randint(0, c.vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
     r = run(mesh, c, args.quant, prompt.to(device), args.new_tokens, args.reps, dtype)
 

@@ -106,7 +106,9 @@ class QuantColwiseParallel(ColwiseParallel):
     sharded on N, and so is every other tensor of the module with N elements along its
     last axis (per-channel scale [1, N] or [N], bias, zero-point column sums); tensors of
     one element (per-tensor scales) are replicated. Input replicated, output sharded on the
-    last dim, as ``ColwiseParallel``."""
+    last dim, as ``ColwiseParallel``. The shape decides: a per-input-channel tensor [K] (a
+    SmoothQuant factor) is refused where K != N, but where K == N it would be taken for a
+    per-channel one, so such modules are not supported."""
 
     def __init__(self, *, weight: str = "wq", **kwargs):
         super().__init__(**kwargs)

@@ -29,6 +29,8 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 
+from tests.blockwise_data import make_block_problem  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
 
@@ -44,7 +46,7 @@ def _worker(rank, init_file, conn):
     torch.set_num_threads(1)
     torch._inductor.config.compile_threads = 1
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=120))
+                            timeout=timedelta(seconds=300))  # a cold compile on a busy CI core
     while (task := conn.recv()) is not None:
         fn, args = task
         try:
@@ -161,6 +163,12 @@ def _rule_case(case: str):
     a, b, sa, sb, bias, azp, colsum = (p[k] for k in ("a", "w", "sa", "sb", "bias", "azp", "colsum"))
     b = b.t()
     one = torch.tensor(0.01)
+    # Block-wise fp8 (a [8, 256], b = w.t() [256, 256]): each rank builds its own row slice
+    # locally, as gloo cannot scatter fp8.
+    bp = make_block_problem(8, 256, 256, seed=0)
+    blockwise = (bp.a, bp.b, bp.scale_a, bp.scale_b)
+    rows = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)
+    blockwise_local = (bp.a[rows], bp.b, bp.scale_a[rows], bp.scale_b)
     single, sharded = {
         "scaled_mm columns": (
             lambda: ops.scaled_mm(a, b, sa, sb, f32, bias),
@@ -209,6 +217,10 @@ def _rule_case(case: str):
         "aten._int_mm contraction": (
             lambda: torch._int_mm(a, b),
             lambda: torch._int_mm(d("a", S1), d("w", S1).t())),
+        "scaled_mm_blockwise rows": (
+            lambda: ops.scaled_mm_blockwise(*blockwise, torch.bfloat16),
+            lambda: ops.scaled_mm_blockwise(*[DTensor.from_local(t, mesh, [pl]) for t, pl in zip(blockwise_local, (S0, R, S0, R))],
+                                            torch.bfloat16)),
     }[case]
     ref, out = single(), sharded()
     full = out.full_tensor()
@@ -234,6 +246,7 @@ RULE_CASES = {
     "fusepass.int_mm contraction": (Partial("sum"), True),  # int32 sums: exact
     "aten._int_mm columns": (Shard(1), True),
     "aten._int_mm contraction": (Partial("sum"), True),
+    "scaled_mm_blockwise rows": (Shard(0), True),
 }
 
 

@@ -19,7 +19,7 @@ from torch.library import wrap_triton
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
 from .configs import Config, fit
-from .launch import GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced
+from .launch import GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output
 
 # (top of the M bucket, config), ascending; the last bucket (top None) takes every larger M.
 # BLOCK_K is 128 (one dot per scale group); fit() may halve it for a K below 128.
@@ -68,8 +68,7 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
     """Launch the kernel with one config; returns the new (M, N) output."""
     M, K = a.shape
     N = b.shape[1]
-    # Strides spelled out, as in launch._run: cond merges its branches' outputs by them.
-    out = torch.empty_strided((M, N), (N, 1), dtype=out_dtype, device=a.device)
+    out = new_output(a, b, out_dtype)
     fake = _traced(a)
     if INTERPRETED and fake:
         return out

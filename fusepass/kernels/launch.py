@@ -84,6 +84,14 @@ def _traced(t: torch.Tensor) -> bool:
     return type(t) is not torch.Tensor and is_fake(t)
 
 
+def new_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The new (M, N) output. Strides spelled out: with a symbolic N, torch.empty's row
+    stride is Max(1, N), which cond refuses to merge across its branches on torch 2.11
+    ("not a simple accumulative multiplication of sizes")."""
+    M, N = a.shape[0], b.shape[1]
+    return torch.empty_strided((M, N), (N, 1), dtype=out_dtype, device=a.device)
+
+
 def _per_element(v: torch.Tensor | None) -> bool:
     return v is not None and not statically_known_true(v.numel() == 1)
 
@@ -92,10 +100,7 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     """Launch the kernel(s) of one config; returns the new (M, N) output."""
     M, K = a.shape
     N = b.shape[1]
-    # Strides spelled out: with a symbolic N, torch.empty's row stride is Max(1, N), which
-    # cond refuses to merge across its branches on torch 2.11 ("not a simple accumulative
-    # multiplication of sizes").
-    out = torch.empty_strided((M, N), (N, 1), dtype=out_dtype, device=a.device)
+    out = new_output(a, b, out_dtype)
     fake = _traced(a)
     if INTERPRETED and fake:
         return out

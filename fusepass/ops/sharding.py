@@ -21,6 +21,10 @@ placements and redistributes the inputs to it. With ``a`` [M, K] and ``b`` [K, N
   Partial: DTensor would do that by dividing it by the world size (inexact; for an int32
   zero-point term it changes the dtype). Otherwise DTensor redistributes to another rule.
 
+``scaled_mm_blockwise`` has the replicate and rows rules (its ``scale_a`` [M, ceil(K/128)]
+sharded on M with ``a``). Columns and contraction would need shard boundaries on 128-wide
+blocks of N and K, which DTensor's even split does not promise; DTensor gathers instead.
+
 Per-tensor scales (numel 1) are Replicate in every rule. ``aten._int_mm`` gets the int8
 rules too, unless this torch has its own: DTensor has none (torch 2.11, 2.13), and a
 hand-written W8A8 model (``fusepass/demo/handwritten.py``) needs one to run sharded.
@@ -62,6 +66,9 @@ def _rules(op_name, args: dict):
     rules = []
     # Replicate; rows (M); columns (N); contraction (K).
     rules.append((R, {k: R for k in present}))
+    if op_name == "scaled_mm_blockwise":
+        rows = {k: R for k in present} | {"a": Shard(0), "scale_a": Shard(0)}
+        return rules + [(Shard(0), rows)]
     rows = {"a": Shard(0), "b": R}
     cols = {"a": R, "b": Shard(1)}
     contraction = {"a": Shard(1), "b": Shard(0)}
@@ -118,7 +125,7 @@ def register() -> None:
     """Register the rules (idempotent: a later call replaces them with the same)."""
     if not torch.distributed.is_available():
         return
-    for name in ("scaled_mm", "scaled_mm_azp", "int_mm"):
+    for name in ("scaled_mm", "scaled_mm_azp", "int_mm", "scaled_mm_blockwise"):
         _register(getattr(torch.ops.fusepass, name).default, name)
     if not _has_rule(aten._int_mm.default):
         _register(aten._int_mm.default, "int_mm", ("a", "b"))

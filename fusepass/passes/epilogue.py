@@ -23,6 +23,11 @@ The epilogue is the longest valid prefix of the chain. It ends
   ``Epilogue.stop`` says where and why, in user terms.
 
 Only a shared accumulator leaves nothing to fuse (Rejected).
+
+A block-wise matmul (``Epilogue.block_scaled``, patterns/blockwise.py) applies its scales
+itself: its output is already dequantized, per-token and per-tensor multipliers after it
+fold into its ``scale_a``, and a per-channel one ends the epilogue (it cannot join the
+weight's per-block scales).
 """
 
 from __future__ import annotations

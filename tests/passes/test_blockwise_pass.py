@@ -298,3 +298,20 @@ def test_left_unchanged(fn, reason):
     (d,) = r.decisions
     assert not d.fused and re.search(reason, d.reason), d.reason
     torch.testing.assert_close(r.out, fn(X, SX, W, SW))
+
+
+def test_transposed_activation_is_left_unchanged():
+    """An activation dequantized as [K, M] and read through ``.t()``: the op takes [M, K], so
+    the pass must not hand it the untransposed data (at M == K the shapes would not tell)."""
+    p = make_block_problem(256, 256, 256, seed=3)
+    xt, sxt = p.a.t().contiguous(), p.scale_a.t().contiguous()  # [K, M], [ceil(K/128), M]
+
+    def f(xt, sxt, w, sw):
+        xdt = xt.to(torch.float32) * sxt.repeat_interleave(128, 0)
+        return xdt.t() @ (w.to(torch.float32) * sw.repeat_interleave(128, 0).repeat_interleave(128, 1)).t()
+
+    r = run_pass(f, xt, sxt, p.b.t(), p.scale_b.t())
+    assert r.counts == {} and r.after == r.before
+    (d,) = r.decisions
+    assert not d.fused and "the dequantized activation is transposed" in d.reason, d.reason
+    torch.testing.assert_close(r.out, f(xt, sxt, p.b.t(), p.scale_b.t()))

@@ -18,8 +18,9 @@
 
    with the groups spread by ``repeat_interleave(128, d)``, ``unsqueeze/expand/reshape``, or
    a broadcast against a grouped view (``x.view(M, -1, 128) * s[..., None]``), sliced to a
-   ragged K or N (``passes/layout.py`` reads them); a per-token / per-tensor ``S_a`` or a
-   per-tensor ``S_w`` may stand where the other operand is blocked. Then any epilogue.
+   ragged K or N (``passes/layout.py`` reads them); a per-token ``S_a`` (or a per-tensor one
+   at M = 1) or a per-tensor ``S_w`` may stand where the other operand is blocked. Then any
+   epilogue.
 
 Both become ``fusepass.scaled_mm_blockwise(a_q, b_q, scale_a, scale_b, out_dtype, bias)``
 (plus a view back to 3-D), the scales rearranged by views (``w_scale.t()``) where needed.
@@ -329,6 +330,8 @@ def _match_dequant(node, config) -> Candidate | None:
             raise Rejected(f"block-wise scales on {tensor_val(q).dtype} operands; the block-wise op takes float8_e4m3fn")
     if wt.view is not None:
         raise Rejected(f"the quantized weight ({describe(wt.q)}) is viewed to another shape before its dequantization")
+    if act.transposed:  # the op takes a [M, K] activation; emit has no transpose for it
+        raise Rejected(f"the dequantized activation is transposed ({describe(act.q)} read as its .t())")
     _only_users(act, "activation")
     _only_users(wt, "weight")
     check_operands(act.q, wt.q, FP8)
