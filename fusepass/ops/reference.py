@@ -13,7 +13,6 @@ per 128-wide group of K, to that group's fp32 sum, before the groups are added.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .checks import BLOCK
 
@@ -71,17 +70,18 @@ def scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=Non
 
 def accumulate_blockwise(a, b, scale_a, scale_b) -> torch.Tensor:
     """``sum_g scale_a[:, g] * scale_b[g, n // 128] * (a[:, K_g] @ b[K_g, :])`` in fp32, with
-    ``K_g`` the g-th 128-wide group of K: each group's products are summed in fp32, then scaled,
-    then the groups are added (what the kernel does). K is zero-padded to whole groups.
-    Holds a [groups, M, N] fp32 intermediate: fine for a reference, not for large CPU problems."""
-    M, K = a.shape
-    N = b.shape[1]
-    groups = scale_a.shape[1]
-    pad = groups * BLOCK - K
-    a3 = F.pad(a.to(torch.float32), (0, pad)).reshape(M, groups, BLOCK).transpose(0, 1)  # [G, M, 128]
-    b3 = F.pad(b.to(torch.float32), (0, 0, 0, pad)).reshape(groups, BLOCK, N)  # [G, 128, N]
-    sb = scale_b.repeat_interleave(BLOCK, dim=1)[:, :N]  # [G, N]: one value per column
-    return (torch.bmm(a3, b3) * scale_a.t()[:, :, None] * sb[:, None, :]).sum(0)
+    ``K_g`` the g-th 128-wide group of K (the last one ragged): each group's products summed in
+    fp32, scaled, and added to the accumulator in group order (what the kernel does). One group
+    at a time, so the memory is one [M, N] partial whatever K: this is also what a compiled CPU
+    graph runs (``passes/lower.py``), one ``mm`` per group."""
+    K, N = b.shape
+    sb = scale_b.repeat_interleave(BLOCK, dim=1)[:, :N]  # [groups, N]: one value per column
+    acc = None
+    for g in range(scale_a.shape[1]):
+        k = slice(g * BLOCK, min(K, (g + 1) * BLOCK))
+        part = (a[:, k].to(torch.float32) @ b[k].to(torch.float32)) * scale_a[:, g, None] * sb[g]
+        acc = part if acc is None else acc + part
+    return acc if acc is not None else a.new_zeros((a.shape[0], N), dtype=torch.float32)  # K = 0
 
 
 def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None):
