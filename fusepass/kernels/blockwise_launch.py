@@ -18,8 +18,8 @@ from torch.library import wrap_triton
 
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
-from .configs import Config, fit
-from .launch import GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output
+from .configs import Config, fit, merge_buckets
+from .launch import GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output, on_device
 
 # (top of the M bucket, config), ascending; the last bucket (top None) takes every larger M.
 # BLOCK_K is 128 (one dot per scale group); fit() may halve it for a K below 128.
@@ -54,14 +54,7 @@ def bucket_choices(N, K) -> list:
     """``[(top, Config)]`` of every bucket, fitted where N and K are numbers, adjacent buckets
     with the same config merged (``_by_m``'s input: one ``cond`` branch per distinct config)."""
     concrete = is_concrete_int(N) and is_concrete_int(K)
-    choices = []
-    for top, cfg in CONFIGS:
-        cfg = fit(cfg, int(N), int(K)) if concrete else cfg
-        if choices and choices[-1][1] == cfg:
-            choices[-1] = (top, cfg)
-        else:
-            choices.append((top, cfg))
-    return choices
+    return merge_buckets((top, fit(cfg, int(N), int(K)) if concrete else cfg) for top, cfg in CONFIGS)
 
 
 def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
@@ -124,7 +117,4 @@ def launch_scaled_mm_blockwise(
         def launch():
             return _by_m(bucket_choices(N, K), lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors,
                          GRAPH_SYMBOLS.get())
-    if not fake and a.is_cuda and a.device.index != torch.cuda.current_device():
-        with torch.cuda.device(a.device):  # Triton launches on the current device
-            return launch()
-    return launch()
+    return on_device(a, fake, launch)

@@ -116,14 +116,20 @@ def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False) -> list:
     dynamic shapes) takes the buckets' defaults, unshrunk."""
     N, K = (int(v) if is_concrete_int(v) else None for v in (N, K))
     arch = device_arch(device)
-    choices = []
-    for bucket, top in enumerate(M_BUCKETS):
-        cfg = _config(bucket, N, K, dtype_name(dtype, azp), arch)
-        if choices and choices[-1][1] == cfg:
-            choices[-1] = (top, cfg)
+    return merge_buckets((top, _config(bucket, N, K, dtype_name(dtype, azp), arch))
+                         for bucket, top in enumerate(M_BUCKETS))
+
+
+def merge_buckets(choices) -> list:
+    """``[(top, Config)]`` with adjacent buckets of the same config merged into the upper one
+    (``launch._by_m`` then has one ``cond`` branch per distinct config)."""
+    merged = []
+    for top, cfg in choices:
+        if merged and merged[-1][1] == cfg:
+            merged[-1] = (top, cfg)
         else:
-            choices.append((top, cfg))
-    return choices
+            merged.append((top, cfg))
+    return merged
 
 
 @functools.lru_cache(maxsize=4096)  # on the eager launch path: 6 us uncached, 0.3 us cached

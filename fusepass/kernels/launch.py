@@ -92,6 +92,14 @@ def new_output(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torc
     return torch.empty_strided((M, N), (N, 1), dtype=out_dtype, device=a.device)
 
 
+def on_device(a: torch.Tensor, fake: bool, launch):
+    """``launch()`` with ``a``'s device current: Triton launches on the current device."""
+    if not fake and a.is_cuda and a.device.index != torch.cuda.current_device():
+        with torch.cuda.device(a.device):
+            return launch()
+    return launch()
+
+
 def _per_element(v: torch.Tensor | None) -> bool:
     return v is not None and not statically_known_true(v.numel() == 1)
 
@@ -231,7 +239,4 @@ def launch_scaled_mm(
         def launch():
             return _by_m(choices, run, tuple(args[i] for i in present), GRAPH_SYMBOLS.get())
 
-    if not fake and a.is_cuda and a.device.index != torch.cuda.current_device():
-        with torch.cuda.device(a.device):  # Triton launches on the current device
-            return launch()
-    return launch()
+    return on_device(a, fake, launch)
