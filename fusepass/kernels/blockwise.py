@@ -10,7 +10,12 @@ BLOCK_K`` dots; BLOCK_K divides 128), which is scaled by ``scale_a[:, g] x scale
 added to the fp32 accumulator. Hopper's fp8 MMAs add at reduced precision, so the partial is
 promoted to fp32 every BLOCK_K (``max_num_imprecise_acc``), as in ``scaled_mm.py``.
 
-Pointer loads only (no TMA, no split-K yet): row/column offsets are 64-bit, ragged M and N
+``SPLIT_K`` > 1 splits the K groups over programs along grid axis 1 (decode at a small N has
+too few N tiles to keep every SM reading): each writes its fp32 sum, already scaled, to
+``partial``, and ``scaled_mm.splitk_epilogue_kernel`` adds the slices in a fixed order, adds
+the bias and casts.
+
+Pointer loads only (no TMA): row/column offsets are 64-bit, ragged M and N
 wrap around (in-bounds loads, results masked at the store), and a ragged K (``EVEN_K`` off:
 K not a multiple of 128) is masked with zeros, so the last group's missing products add 0.
 Any strides for ``a``, ``b`` and both scales (an M-major ``scale_a`` as cuBLAS takes it, a
@@ -33,6 +38,7 @@ def blockwise_mm_kernel(
     a_ptr, b_ptr, out_ptr,  # (M, K), (K, N), (M, N); a and b float8_e4m3fn
     scale_a_ptr, scale_b_ptr,  # (M, ceil(K/128)), (ceil(K/128), ceil(N/128)); fp32
     bias_ptr,  # (N,); None when unused
+    partial_ptr,  # (SPLIT_K, M, N) fp32 when SPLIT_K > 1; None otherwise
     # Sizes
     M, N, K,
     # Strides (any layout)
@@ -46,6 +52,7 @@ def blockwise_mm_kernel(
     # Tiling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K divides GROUP_K
     GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # programs along K, each a run of whole K groups
     GROUP_K: tl.constexpr,  # 128: the scale block along K and N
     EVEN_K: tl.constexpr,  # K % GROUP_K == 0: no mask on the loads
 ):
@@ -55,19 +62,30 @@ def blockwise_mm_kernel(
     offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # (BLOCK_M,)
     offs_n = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # (BLOCK_N,)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # (BLOCK_K,)
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
+    # This program's K groups (none for trailing splits of a short K).
+    groups = tl.cdiv(K, GROUP_K)
+    groups_per_split = tl.cdiv(groups, SPLIT_K)
+    g_first = tl.program_id(1) * groups_per_split
+    g_end = tl.minimum(g_first + groups_per_split, groups)
+    k_first = g_first.to(tl.int64) * GROUP_K
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_first + offs_k[None, :]) * stride_ak  # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + (k_first + offs_k[:, None]) * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
     step_a = tl.cast(stride_ak, tl.int64) * BLOCK_K
     step_b = tl.cast(stride_bk, tl.int64) * BLOCK_K
-    # The scales of K group 0, a column of scale_a and a row of scale_b (one value per column:
-    # a BLOCK_N tile may span several 128-wide N blocks).
-    sa_ptrs = scale_a_ptr + offs_m * stride_sam  # (BLOCK_M,)
-    sb_ptrs = scale_b_ptr + (offs_n // GROUP_K) * stride_sbn  # (BLOCK_N,)
+    # The scales of the first K group: a column of scale_a, and scale_b's value for this tile's
+    # N block (a BLOCK_N dividing 128 keeps a tile inside one block: one scalar, 1.05-1.16x
+    # faster than a vector with 64x128 tiles at M >= 1024 on an H200, NOTES.md run 6) or, for
+    # a wider tile, one value per column.
     step_sa = tl.cast(stride_sag, tl.int64)
     step_sb = tl.cast(stride_sbg, tl.int64)
+    sa_ptrs = scale_a_ptr + offs_m * stride_sam + g_first * step_sa  # (BLOCK_M,)
+    if BLOCK_N <= GROUP_K:
+        sb_ptrs = scale_b_ptr + (pid_n * BLOCK_N // GROUP_K) * stride_sbn + g_first * step_sb  # scalar
+    else:
+        sb_ptrs = scale_b_ptr + (offs_n // GROUP_K) * stride_sbn + g_first * step_sb  # (BLOCK_N,)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for g in range(0, tl.cdiv(K, GROUP_K)):
+    for g in range(g_first, g_end):
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in tl.static_range(GROUP_K // BLOCK_K):
             if EVEN_K:
@@ -82,16 +100,22 @@ def blockwise_mm_kernel(
             a_ptrs += step_a
             b_ptrs += step_b
         sa = tl.load(sa_ptrs)  # (BLOCK_M,)
-        sb = tl.load(sb_ptrs)  # (BLOCK_N,)
-        acc += part * sa[:, None] * sb[None, :]
+        sb = tl.load(sb_ptrs)  # scalar or (BLOCK_N,)
+        if BLOCK_N <= GROUP_K:
+            acc += part * (sa * sb)[:, None]
+        else:
+            acc += part * sa[:, None] * sb[None, :]
         sa_ptrs += step_sa
         sb_ptrs += step_sb
 
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     # Store with unwrapped indices so the wrapped (duplicate) rows/columns are masked off.
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+    if SPLIT_K > 1:  # this slice's sum; the reduction kernel adds the bias
+        tl.store(partial_ptr + tl.program_id(1) * M * N + rows[:, None] * N + cols[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)

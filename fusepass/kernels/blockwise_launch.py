@@ -4,12 +4,15 @@ traced (the op inlined by ``fusepass.passes.lower``) each launch is a ``wrap_tri
 Inductor launches from its own code, and a symbolic M picks its bucket's config at run time
 through ``launch._by_m``'s ``cond`` chain.
 
-The config table is small and untuned: one config per M bucket, decode (weight-bound, narrow
-N tiles for more programs) to prefill (compute-bound, 128x128 tiles). ``benchmarks/
-bench_blockwise.py`` measures it against cuBLAS's block-wise ``torch._scaled_mm``.
+The config table was tuned on an H200 (``benchmarks/NOTES.md``, run 6): one tile config per M
+bucket, and a split-K that fills the GPU: decode at a small N has too few N tiles to keep
+every SM reading (M = 16, N = 576, K = 7168: 33.4 us unsplit, 10.2 us in 8 splits).
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import replace
 
 import torch
 import triton
@@ -20,41 +23,69 @@ from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
 from .configs import Config, fit, merge_buckets
 from .launch import GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output, on_device
+from .scaled_mm import splitk_epilogue_kernel
 
-# (top of the M bucket, config), ascending; the last bucket (top None) takes every larger M.
-# BLOCK_K is 128 (one dot per scale group); fit() may halve it for a K below 128.
+# (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
+# None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
+# shrink tiles for a small N or K. split_k is derived, not tabled: the splits that give the
+# bucket's largest M about ``programs per SM`` x the SM count programs, within the row's most
+# splits and one K group each. Measured on an H200 over the 10 Llama-3-8B / DeepSeek-V3
+# shapes of bench_blockwise.py: each row is within 1.06x of the best of 12-72 configs tried
+# at its M (geomean), the best single config of each M (benchmarks/NOTES.md, run 6).
 CONFIGS = (
-    (16, Config(16, 32, 128, num_warps=4, num_stages=4)),  # decode: N tiles of 32 keep every SM reading
-    (64, Config(32, 64, 128, num_warps=4, num_stages=4)),
-    (256, Config(64, 128, 128, num_warps=4, num_stages=3)),
-    (None, Config(128, 128, 128, num_warps=8, num_stages=3)),  # prefill
+    (1, Config(16, 32, 64, num_warps=4, num_stages=6), 3, 8),
+    (16, Config(16, 32, 128, num_warps=4, num_stages=4), 6, 8),
+    (64, Config(64, 128, 128, num_warps=4, num_stages=4), 2, 4),
+    (256, Config(64, 128, 128, num_warps=4, num_stages=4), 2, 4),
+    (1024, Config(64, 128, 128, num_warps=4, num_stages=3), 1, 4),
+    (None, Config(64, 128, 128, num_warps=4, num_stages=3), 0, 1),  # 128x128, 8 warps: 1.19-1.21x slower
 )
+DEFAULT_SMS = 132  # an H100/H200 where there is no CUDA device to ask (the interpreter)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    if index is None or not torch.cuda.is_available():
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _fitted(row: tuple, N: int, K: int, device) -> Config:
+    """The row's config fitted to N and K, with its split-K (see CONFIGS)."""
+    top, cfg, per_sm, most = row
+    cfg = fit(cfg, N, K)
+    split = 1
+    if top is not None and most > 1:
+        tiles = triton.cdiv(top, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+        target = per_sm * _sm_count(device.index if device is not None and device.type == "cuda" else None)
+        split = max(1, min(most, triton.cdiv(K, BLOCK), round(target / tiles)))
+    return replace(cfg, split_k=split)
 
 
 def check_config(cfg: Config) -> None:
     """The kernel's constraints on a config: BLOCK_K a power of two dividing 128 (a scale group is
-    a whole number of dots) and >= 32 (tl.dot of 8-bit inputs), BLOCK_M/N >= 16, no split-K/TMA."""
+    a whole number of dots) and >= 32 (tl.dot of 8-bit inputs), BLOCK_M/N >= 16, no TMA."""
     if cfg.block_k not in (32, 64, 128):
         raise ValueError(f"block-wise config: block_k must divide the 128-wide scale groups and be >= 32 "
                          f"(32, 64 or 128); got {cfg.block_k}")
     if min(cfg.block_m, cfg.block_n) < 16:
         raise ValueError(f"block-wise config: block_m and block_n must be >= 16; got {cfg.block_m}, {cfg.block_n}")
-    if cfg.split_k != 1 or cfg.tma:
-        raise ValueError(f"block-wise config: the kernel has no split-K or TMA path; got split_k={cfg.split_k}, "
-                         f"tma={cfg.tma}")
+    if cfg.tma:
+        raise ValueError("block-wise config: the kernel has no TMA path; got tma=True")
+    if cfg.split_k < 1:
+        raise ValueError(f"block-wise config: split_k must be >= 1; got {cfg.split_k}")
 
 
-def select_config(M: int, N: int, K: int) -> Config:
-    """The config of M's bucket, its tiles shrunk to a small N or K."""
-    cfg = next(cfg for top, cfg in CONFIGS if top is None or M <= top)
-    return fit(cfg, N, K)
+def select_config(M: int, N: int, K: int, device=None) -> Config:
+    """The config of M's bucket, fitted to N and K, with its split-K."""
+    return _fitted(next(row for row in CONFIGS if row[0] is None or M <= row[0]), N, K, device)
 
 
-def bucket_choices(N, K) -> list:
+def bucket_choices(N, K, device=None) -> list:
     """``[(top, Config)]`` of every bucket, fitted where N and K are numbers, adjacent buckets
     with the same config merged (``_by_m``'s input: one ``cond`` branch per distinct config)."""
     concrete = is_concrete_int(N) and is_concrete_int(K)
-    return merge_buckets((top, fit(cfg, int(N), int(K)) if concrete else cfg) for top, cfg in CONFIGS)
+    return merge_buckets((row[0], _fitted(row, int(N), int(K), device) if concrete else row[1]) for row in CONFIGS)
 
 
 def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
@@ -65,11 +96,14 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
     fake = _traced(a)
     if INTERPRETED and fake:
         return out
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n),)
-    (wrap_triton if fake else _plain)(blockwise_mm_kernel)[grid](
+    partial = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=a.device) if cfg.split_k > 1 else None
+    wrap = wrap_triton if fake else _plain
+    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    wrap(blockwise_mm_kernel)[grid](
         a, b, out,
         scale_a, scale_b,
         bias,  # None when unused (a constexpr: see launch._run)
+        partial,
         M, N, K,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
@@ -79,10 +113,23 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
+        SPLIT_K=cfg.split_k,
         GROUP_K=BLOCK,
         EVEN_K=statically_known_true(K % BLOCK == 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if cfg.split_k > 1:  # the fixed-order sum of the slices, the bias and the cast
+        block_m, block_n = 16, 128
+        wrap(splitk_epilogue_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+            partial, out,
+            None, None, bias, None, None,
+            M, N,
+            out.stride(0), out.stride(1),
+            SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=False,
+            HAS_BIAS=bias is not None, AZP=0, RAW_ACC=True,
+            SPLIT_K=cfg.split_k,
+            BLOCK_M=block_m, BLOCK_N=block_n,
+        )
     return out
 
 
@@ -108,13 +155,13 @@ def launch_scaled_mm_blockwise(
     if config is not None:
         check_config(config)
     elif all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        config = select_config(int(M), int(N), int(K))
+        config = select_config(int(M), int(N), int(K), a.device)
     tensors = (a, b, scale_a, scale_b) + ((bias,) if bias is not None else ())
     if config is not None:
         def launch():
             return _run(config, out_dtype, *tensors)
     else:  # a symbolic size: the config of M's bucket, picked at run time
         def launch():
-            return _by_m(bucket_choices(N, K), lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors,
+            return _by_m(bucket_choices(N, K, a.device), lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors,
                          GRAPH_SYMBOLS.get())
     return on_device(a, fake, launch)

@@ -50,28 +50,30 @@ def _epilogue(
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
 ):
-    if RAW_ACC:  # fusepass.int_mm: the accumulator itself
-        return acc
-    # Zero point first, in the accumulator's integer domain when azp/azp_adj are int32
-    # (exact, as in vLLM's CUTLASS epilogue); fp32 operands promote it to fp32.
-    if AZP == 1:  # per-tensor: azp_adj already holds z_a * colsum(b)
-        adj = tl.load(azp_adj_ptr + offs_n)
-        acc = acc - adj[None, :]
-    elif AZP == 2:  # per-token: azp[m] * colsum(b)[n]
-        adj = tl.load(azp_adj_ptr + offs_n)
-        azp = tl.load(azp_ptr + offs_m)
-        acc = acc - azp[:, None] * adj[None, :]
-    x = acc.to(tl.float32)
-    if SCALE_A_PER_TOKEN:
-        x = x * tl.load(scale_a_ptr + offs_m)[:, None]
+    # No early return: Triton still compiles the statements after one, None pointers included.
+    if RAW_ACC:  # no scales: fusepass.int_mm's accumulator, or block-wise split-K's scaled sums
+        x = acc
     else:
-        x = x * tl.load(scale_a_ptr)
-    if SCALE_B_PER_CHANNEL:
-        x = x * tl.load(scale_b_ptr + offs_n)[None, :]
-    else:
-        x = x * tl.load(scale_b_ptr)
+        # Zero point first, in the accumulator's integer domain when azp/azp_adj are int32
+        # (exact, as in vLLM's CUTLASS epilogue); fp32 operands promote it to fp32.
+        if AZP == 1:  # per-tensor: azp_adj already holds z_a * colsum(b)
+            adj = tl.load(azp_adj_ptr + offs_n)
+            acc = acc - adj[None, :]
+        elif AZP == 2:  # per-token: azp[m] * colsum(b)[n]
+            adj = tl.load(azp_adj_ptr + offs_n)
+            azp = tl.load(azp_ptr + offs_m)
+            acc = acc - azp[:, None] * adj[None, :]
+        x = acc.to(tl.float32)
+        if SCALE_A_PER_TOKEN:
+            x = x * tl.load(scale_a_ptr + offs_m)[:, None]
+        else:
+            x = x * tl.load(scale_a_ptr)
+        if SCALE_B_PER_CHANNEL:
+            x = x * tl.load(scale_b_ptr + offs_n)[None, :]
+        else:
+            x = x * tl.load(scale_b_ptr)
     if HAS_BIAS:
-        x = x + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+        x = x.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     return x
 
 
@@ -92,7 +94,7 @@ def scaled_mm_kernel(
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     AZP: tl.constexpr,  # 0: none, 1: per-tensor, 2: per-token
-    RAW_ACC: tl.constexpr,  # no epilogue: store the accumulator
+    RAW_ACC: tl.constexpr,  # no scales or zero point: store the accumulator
     # Tiling
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,

@@ -1,6 +1,8 @@
 """The block-wise Triton kernel itself (Triton's interpreter on CPU, the GPU when there is one)
 against the float64 oracle, over its tile paths, and its config table."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -45,6 +47,15 @@ def test_kernel_sub_group_tiles(cfg):
     _check(launch_scaled_mm_blockwise(*p.args(torch.float32), config=cfg), p, torch.float32)
 
 
+# Split-K: 3 ragged groups over 2 programs (2 + 1), and 4 programs for 3 groups (the last
+# program has no group and writes a zero slice); bias added once, by the reduction.
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_split_k(split_k, out_dtype):
+    p = make_block_problem(5, 200, 300, bias_dtype=torch.bfloat16, device=DEVICE, seed=split_k)
+    _check(launch_scaled_mm_blockwise(*p.args(out_dtype), config=Config(16, 64, 128, split_k=split_k)), p, out_dtype)
+
+
 def test_kernel_any_strides():
     """M-major scale_a (cuBLAS), a transposed scale_b view (vLLM), a strided a, a row-major b."""
     p = make_block_problem(9, 140, 200, m_major=True, device=DEVICE, seed=5)
@@ -61,9 +72,9 @@ def test_kernel_each_group_and_block_has_its_own_scale():
     b = torch.ones(K, N, device=DEVICE).to(torch.float8_e4m3fn)
     sa = (2.0 ** torch.arange(blocks(K), device=DEVICE)).expand(M, -1)  # stride 0 along M: any strides
     sb = (16.0 ** torch.arange(blocks(N), device=DEVICE)).expand(blocks(K), -1)
-    out = launch_scaled_mm_blockwise(a, b, sa, sb, torch.float32)
     expected = (128 + 2 * 128 + 4 * 44) * 16.0 ** (torch.arange(N, device=DEVICE) // BLOCK)
-    assert torch.equal(out, expected.expand(M, N))
+    for cfg in (None, Config(16, 32, 128, split_k=2)):
+        assert torch.equal(launch_scaled_mm_blockwise(a, b, sa, sb, torch.float32, config=cfg), expected.expand(M, N))
 
 
 def test_empty_output_launches_nothing(monkeypatch):
@@ -73,20 +84,32 @@ def test_empty_output_launches_nothing(monkeypatch):
 
 
 def test_config_buckets_and_fit():
-    assert [select_config(m, 4096, 4096) for m in (1, 16, 17, 64, 65, 256, 257, 16384)] == [
-        bl.CONFIGS[0][1]] * 2 + [bl.CONFIGS[1][1]] * 2 + [bl.CONFIGS[2][1]] * 2 + [bl.CONFIGS[3][1]] * 2
+    rows = [bl.CONFIGS[i][1] for i in (0, 1, 1, 2, 2, 3, 3, 4, 4, 5)]
+    got = [select_config(m, 4096, 4096) for m in (1, 2, 16, 17, 64, 65, 256, 257, 1024, 16384)]
+    assert [replace(c, split_k=1) for c in got] == [replace(c, split_k=1) for c in rows]
     small = select_config(3, 17, 33)  # tiles shrunk to the problem; BLOCK_K still divides 128
-    assert (small.block_n, small.block_k) == (32, 64)
-    for _, cfg in bl.CONFIGS:
-        check_config(cfg)
+    assert (small.block_n, small.block_k, small.split_k) == (32, 64, 1)  # one K group: no split
+    for row in bl.CONFIGS:
+        check_config(row[1])
     tops = [top for top, _ in bl.bucket_choices(4096, 4096)]
-    assert tops == [16, 64, 256, None]
+    assert tops == [1, 16, 64, 256, None]  # 1024 and up share a config and a split at this N
+
+
+# The split fills DEFAULT_SMS (no CUDA device asked) x the row's programs per SM, within the
+# row's most splits and the K groups: N = 576 has 18 tiles of 32 (M <= 16: 6 x 132 / 18 = 44
+# -> 8), N = 4096 has 128 (792 / 128 -> 6), a wide N 896 (-> 1); K = 256 has 2 groups.
+@pytest.mark.parametrize("M,N,K,split", [
+    (16, 576, 7168, 8), (16, 4096, 14336, 6), (16, 28672, 4096, 1), (16, 576, 256, 2),
+    (64, 4096, 14336, 4), (256, 4096, 14336, 2), (1024, 576, 7168, 2), (1024, 4096, 14336, 1), (4096, 576, 7168, 1),
+])
+def test_split_k_fills_the_gpu(M, N, K, split):
+    assert select_config(M, N, K).split_k == split
 
 
 def test_bucket_choices_merge_equal_configs(monkeypatch):
     """A symbolic M gets one cond branch per distinct config (after fitting to N and K)."""
     a, b = Config(16, 32, 128), Config(64, 128, 128)
-    monkeypatch.setattr(bl, "CONFIGS", ((1, a), (16, Config(16, 64, 128)), (256, b), (None, b)))
+    monkeypatch.setattr(bl, "CONFIGS", ((1, a, 0, 1), (16, Config(16, 64, 128), 0, 1), (256, b, 0, 1), (None, b, 0, 1)))
     assert bl.bucket_choices(24, 4096) == [(16, Config(16, 32, 128)), (None, Config(64, 32, 128))]
 
 
@@ -94,8 +117,8 @@ def test_bucket_choices_merge_equal_configs(monkeypatch):
     (Config(16, 32, 48), "block_k must divide the 128-wide scale groups and be >= 32 (32, 64 or 128); got 48"),
     (Config(16, 32, 256), "got 256"),
     (Config(8, 32, 128), "block_m and block_n must be >= 16; got 8, 32"),
-    (Config(16, 32, 128, split_k=2), "no split-K or TMA path; got split_k=2, tma=False"),
-    (Config(16, 32, 128, tma=True), "got split_k=1, tma=True"),
+    (Config(16, 32, 128, split_k=0), "split_k must be >= 1; got 0"),
+    (Config(16, 32, 128, tma=True), "the kernel has no TMA path; got tma=True"),
 ])
 def test_bad_configs_are_refused(cfg, message):
     p = make_block_problem(2, 24, 40, device=DEVICE)

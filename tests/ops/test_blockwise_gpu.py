@@ -27,7 +27,7 @@ def test_gpu_real_shapes(M, N, K):
     assert_matches_oracle(out, p, BF16, oracle=block_oracle)
 
 
-@pytest.mark.parametrize("cfg", [cfg for _, cfg in bl.CONFIGS] + [Config(64, 256, 64, num_warps=8), Config(32, 64, 32)])
+@pytest.mark.parametrize("cfg", [row[1] for row in bl.CONFIGS] + [Config(64, 256, 64, num_warps=8), Config(32, 64, 32), Config(16, 32, 128, split_k=6)])
 def test_gpu_every_config(cfg):
     p = make_block_problem(300, 1000, 1001, bias_dtype=torch.float32, device="cuda")
     out = bl.launch_scaled_mm_blockwise(*p.args(torch.float32), config=cfg)
@@ -48,7 +48,10 @@ def _quantize(x: torch.Tensor, rows: int):
 @pytest.mark.parametrize("M,N,K", [(256, 768, 512), (256, 128, 256), (1, 256, 128), (16, 7168, 2048)])
 def test_gpu_matches_cublas_blockwise(M, N, K, out_dtype):
     """PyTorch's check of its block-wise _scaled_mm (test_scaled_mm_vs_emulated_block_wise):
-    cosine similarity >= 0.999 and atol/rtol 6e-1/7e-2 (bf16) or 7e-1/2e-3 (fp32)."""
+    cosine similarity >= 0.999 and atol/rtol 6e-1/7e-2 (bf16) or 7e-1/2e-3 (fp32) against the
+    emulated (dequantized, exact) product, which cuBLAS meets too; and no larger an error than
+    cuBLAS's (5% slack: at K = 256 both err 1.79). cuBLAS is the less exact of the two: at (16, 7168, 2048) fp32 its largest
+    error is 3.5 against ours 0.0017 (|out| up to 8e3, H200, cuBLAS of torch 2.11+cu130)."""
     torch.manual_seed(42)
     x = torch.randn(M, K, device="cuda", dtype=out_dtype).pow(3)
     y = torch.randn(N, K, device="cuda", dtype=out_dtype).pow(3)
@@ -60,10 +63,15 @@ def test_gpu_matches_cublas_blockwise(M, N, K, out_dtype):
     except (RuntimeError, NotImplementedError) as e:  # sm90 and cuBLAS >= 12.9 only
         pytest.skip(f"torch._scaled_mm has no block-wise mode here: {str(e).splitlines()[0]}")
     ours = fusepass.scaled_mm_blockwise(xq, yq.t(), xs, ys.t(), out_dtype)
-    cos = torch.nn.functional.cosine_similarity(ours.flatten().float(), theirs.flatten().float(), dim=0)
-    assert float(cos) >= 0.999
+    emulated = ((xq.double() * xs.double().repeat_interleave(BLOCK, 1))
+                @ (yq.double() * ys.double().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)).t())
     atol, rtol = (6e-1, 7e-2) if out_dtype == BF16 else (7e-1, 2e-3)
-    torch.testing.assert_close(ours, theirs, atol=atol, rtol=rtol)
+    for out in (ours, theirs):
+        cos = torch.nn.functional.cosine_similarity(out.flatten().double(), emulated.flatten(), dim=0)
+        assert float(cos) >= 0.999
+    torch.testing.assert_close(ours.double(), emulated, atol=atol, rtol=rtol)
+    # Both accumulate a 128-wide group in the fp8 MMA's own precision; cuBLAS carries it further.
+    assert (ours.double() - emulated).abs().max() <= 1.05 * (theirs.double() - emulated).abs().max()
     cos_hp = torch.nn.functional.cosine_similarity(ours.flatten().float(), (x @ y.t()).flatten().float(), dim=0)
     assert float(cos_hp) >= 0.999  # the scaling is right, not only consistent with cuBLAS's
 
@@ -96,7 +104,9 @@ def test_gpu_backend_fuses_the_dequant_form(M):
     p = make_block_problem(M, 576, 7168, device="cuda")
     w, sw = p.b.t(), p.scale_b.t()
     fn = torch.compile(lambda x, sx: _dequant_linear(x, sx, w, sw), backend="fusepass")
-    for q in (p, make_block_problem(M + 40, 576, 7168, device="cuda", seed=3)):
+    q = make_block_problem(M + 40, 576, 7168, device="cuda", seed=3)
+    q.b, q.scale_b = p.b, p.scale_b  # the compiled function's weight
+    for q in (p, q):
         assert_matches_oracle(fn(q.a, q.scale_a), q, BF16, oracle=block_oracle)
     assert counters["fusepass"]["dequant_mm_blockwise"] >= 1
 
