@@ -85,6 +85,13 @@ def test_inductor_options_keep_a_configured_pass_and_never_add_ours_twice():
     assert ChainedPass(lambda g: None, fusepass.FusePass()).uuid() is None
 
 
+def test_inductor_options_round_where_eager_rounds():
+    """emulate_precision_casts on by default (NOTES.md run 6: int8-asym batch-1 logits), a
+    user's explicit choice kept."""
+    assert fusepass.inductor_options()["emulate_precision_casts"] is True
+    assert fusepass.inductor_options({"emulate_precision_casts": False})["emulate_precision_casts"] is False
+
+
 def test_uuid_follows_configuration():
     default, other = fusepass.FusePass(), fusepass.FusePass(fusepass.PassConfig(fp8_max_m=8))
     assert default.uuid() == fusepass.FusePass().uuid() != other.uuid()
