@@ -22,8 +22,8 @@ from torch.library import wrap_triton
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
 from .configs import Config, fit, merge_buckets
-from .launch import GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output, on_device
-from .scaled_mm import splitk_epilogue_kernel
+from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output, on_device,
+                     reduce_split_k)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -118,18 +118,10 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
         EVEN_K=statically_known_true(K % BLOCK == 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:  # the fixed-order sum of the slices, the bias and the cast
-        block_m, block_n = 16, 128
-        wrap(splitk_epilogue_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-            partial, out,
-            None, None, bias, None, None,
-            M, N,
-            out.stride(0), out.stride(1),
-            SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=False,
-            HAS_BIAS=bias is not None, AZP=0, RAW_ACC=True,
-            SPLIT_K=cfg.split_k,
-            BLOCK_M=block_m, BLOCK_N=block_n,
-        )
+    if cfg.split_k > 1:  # the slices are already scaled: a raw sum, the bias and the cast
+        reduce_split_k(wrap, partial, out, (None, None, bias, None, None),
+                       dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=False,
+                            HAS_BIAS=bias is not None, AZP=0, RAW_ACC=True))
     return out
 
 

@@ -143,17 +143,23 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.split_k > 1:
-        block_m, block_n = 16, 128
-        wrap(splitk_epilogue_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-            partial, out,
-            *vectors,
-            M, N,
-            out.stride(0), out.stride(1),
-            **flags,
-            SPLIT_K=cfg.split_k,
-            BLOCK_M=block_m, BLOCK_N=block_n,
-        )
+        reduce_split_k(wrap, partial, out, vectors, flags)
     return out
+
+
+def reduce_split_k(wrap, partial, out, vectors: tuple, flags: dict) -> None:
+    """``splitk_epilogue_kernel`` into ``out``: the fixed-order sum of ``partial``'s
+    (SPLIT_K, M, N) slices, then the epilogue that ``vectors`` and ``flags`` describe."""
+    (M, N), block_m, block_n = out.shape, 16, 128
+    wrap(splitk_epilogue_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
+        partial, out,
+        *vectors,
+        M, N,
+        out.stride(0), out.stride(1),
+        **flags,
+        SPLIT_K=partial.shape[0],
+        BLOCK_M=block_m, BLOCK_N=block_n,
+    )
 
 
 # The size symbols of the graph being lowered (SymInts), set by fusepass.passes.lower while
