@@ -30,6 +30,9 @@ import fusepass  # noqa: E402
 SHAPES = {
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
     "70b": [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)],
+    # Hugging Face LlamaForCausalLM keeps q/k/v and gate/up apart (torchao quantizes each):
+    # k_proj / v_proj, gate_proj / up_proj, and lm_head at Llama-3's vocabulary.
+    "8b-hf": [(1024, 4096), (14336, 4096), (128256, 4096)],
 }
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
 REPLAYS = 25
@@ -282,7 +285,7 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="8b,70b", help="comma list of 8b / 70b")
+    p.add_argument("--shapes", default="8b,70b", help="comma list of: " + ", ".join(SHAPES))
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of M")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     p.add_argument("--max-autotune", action="store_true", help="also time Inductor max-autotune at two shapes")

@@ -168,10 +168,14 @@ def pick_default(bucket: int, per_shape: dict) -> tuple[Config, float]:
 
 
 def save(table: dict, out: str, argv) -> None:
+    # An updated table keeps the commands that wrote it, oldest first.
+    meta = table.get("meta", {})
+    commands = meta.get("commands", [meta["command"]] if "command" in meta else [])
+    command = "python benchmarks/tune.py " + " ".join(argv if argv is not None else sys.argv[1:])
     table["meta"] = {
         "gpu": torch.cuda.get_device_name(), "arch": device_arch(torch.device("cuda")),
         "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
-        "command": "python benchmarks/tune.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commands": commands if commands[-1:] == [command] else commands + [command],
         "timing": f"median of {bench_linear.REPLAYS} CUDA-graph replays, rotating inputs > 3x L2",
     }
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

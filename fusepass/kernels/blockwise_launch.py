@@ -11,7 +11,6 @@ every SM reading (M = 16, N = 576, K = 7168: 33.4 us unsplit, 10.2 us in 8 split
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import torch
@@ -21,7 +20,7 @@ from torch.library import wrap_triton
 
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
-from .configs import Config, fit, merge_buckets
+from .configs import Config, fit, merge_buckets, sm_count
 from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output, on_device,
                      reduce_split_k)
 
@@ -40,16 +39,6 @@ CONFIGS = (
     (1024, Config(64, 128, 128, num_warps=4, num_stages=3), 1, 4),
     (None, Config(64, 128, 128, num_warps=4, num_stages=3), 0, 1),  # 128x128, 8 warps: 1.19-1.21x slower
 )
-DEFAULT_SMS = 132  # an H100/H200 where there is no CUDA device to ask (the interpreter)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    if index is None or not torch.cuda.is_available():
-        return DEFAULT_SMS
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _fitted(row: tuple, N: int, K: int, device) -> Config:
     """The row's config fitted to N and K, with its split-K (see CONFIGS)."""
     top, cfg, per_sm, most = row
@@ -57,7 +46,7 @@ def _fitted(row: tuple, N: int, K: int, device) -> Config:
     split = 1
     if top is not None and most > 1:
         tiles = triton.cdiv(top, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        target = per_sm * _sm_count(device.index if device is not None and device.type == "cuda" else None)
+        target = per_sm * sm_count(device)
         split = max(1, min(most, triton.cdiv(K, BLOCK), round(target / tiles)))
     return replace(cfg, split_k=split)
 

@@ -50,6 +50,18 @@ class Config:
 # table's TMA configs at every decode shape compared (benchmarks/NOTES.md, run 4).
 POINTER_LOADS_MAX_M = 64
 
+# Decode buckets read each weight once, so a shape the table has not seen whose tiles leave
+# SMs idle is split along K: the largest power of two up to MOST_SPLITS (and one K block a
+# program) that keeps within DECODE_PROGRAMS_PER_SM programs per SM. The tuner's splits at
+# decode gave 1.5-4.8 programs per SM; on an H200, int8, over 16 (M, N, K) with M in (1, 16)
+# and N in 512..128256 (benchmarks/NOTES.md, run 7) the rule is within 1.23x of the best of 15
+# (block_n, split) configs, where the unsplit bucket default was up to 2.1x slower
+# (k_proj at M = 1, N = 1024, K = 4096: 12.8 us unsplit, 7.6 us in 8 splits).
+DERIVED_SPLIT_MAX_M = 16
+DECODE_PROGRAMS_PER_SM = 2
+MOST_SPLITS = 8
+DEFAULT_SMS = 132  # an H100/H200 where there is no CUDA device to ask (the interpreter)
+
 # Without a table: small M (decode) is bound by reading the weight, so its tiles are short
 # in M and wide in K; large M is compute-bound and takes 128x128 tiles.
 BUILTIN = (
@@ -104,10 +116,18 @@ def device_arch(device: torch.device) -> str | None:
     return f"sm{major}{minor}"
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device | None) -> int:
+    """Streaming multiprocessors of a CUDA device; DEFAULT_SMS elsewhere."""
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.int8, device=None, azp: bool = False) -> Config:
     """The launch configuration for one (M, N, K) problem of ``dtype`` on ``device``."""
     arch = device_arch(device) if device is not None else None
-    return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch)
+    return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch, sm_count(device))
 
 
 def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False) -> list:
@@ -115,8 +135,8 @@ def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False) -> list:
     adjacent buckets with the same config merged. A symbolic N or K (a weight traced with
     dynamic shapes) takes the buckets' defaults, unshrunk."""
     N, K = (int(v) if is_concrete_int(v) else None for v in (N, K))
-    arch = device_arch(device)
-    return merge_buckets((top, _config(bucket, N, K, dtype_name(dtype, azp), arch))
+    arch, sms = device_arch(device), sm_count(device)
+    return merge_buckets((top, _config(bucket, N, K, dtype_name(dtype, azp), arch, sms))
                          for bucket, top in enumerate(M_BUCKETS))
 
 
@@ -133,19 +153,36 @@ def merge_buckets(choices) -> list:
 
 
 @functools.lru_cache(maxsize=4096)  # on the eager launch path: 6 us uncached, 0.3 us cached
-def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | None) -> Config:
-    cfg = BUILTIN[bucket]
+def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | None, sms: int = DEFAULT_SMS) -> Config:
+    cfg, tuned = BUILTIN[bucket], False
     if arch is not None:
         table = load_table(arch)
         names = (dtype, "int8") if dtype == "int8_azp" else (dtype,)
-        entries = [table["shapes"].get(table_key(name, bucket, N, K)) for name in names] if N and K else []
-        entries += [table["defaults"].get(table_key(name, bucket)) for name in names]
-        entry = next((e for e in entries if e), None)
+        shapes = [table["shapes"].get(table_key(name, bucket, N, K)) for name in names] if N and K else []
+        defaults = [table["defaults"].get(table_key(name, bucket)) for name in names]
+        entry = next((e for e in shapes + defaults if e), None)
+        tuned = any(shapes)
         if entry:
             cfg = Config(**entry["config"])
     if pointer_loads_only(bucket):
         cfg = replace(cfg, tma=False)
-    return cfg if N is None or K is None else fit(cfg, N, K)
+    if N is None or K is None:
+        return cfg
+    cfg = fit(cfg, N, K)
+    return cfg if tuned else derive_split(cfg, bucket, N, K, sms)
+
+
+def derive_split(cfg: Config, bucket: int, N: int, K: int, sms: int) -> Config:
+    """``cfg`` split along K to fill ``sms`` SMs at a decode bucket (see DECODE_PROGRAMS_PER_SM)."""
+    top = M_BUCKETS[bucket]
+    if top is None or top > DERIVED_SPLIT_MAX_M:
+        return cfg
+    tiles = triton.cdiv(top, cfg.block_m) * triton.cdiv(N, cfg.block_n)
+    most = min(MOST_SPLITS, triton.cdiv(K, cfg.block_k))
+    split = 1
+    while split * 2 <= most and tiles * split * 2 <= DECODE_PROGRAMS_PER_SM * sms:
+        split *= 2
+    return replace(cfg, split_k=split)
 
 
 def pointer_loads_only(bucket: int) -> bool:
