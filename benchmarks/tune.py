@@ -9,7 +9,8 @@ is refined over split-K and pipeline depth. Timing follows bench_linear.py's pro
 (CUDA graph of calls over rotating input copies > 3x L2, median of replays); each
 candidate's output must match the built-in default config's before it counts. The
 bucket's default for unseen shapes is the base candidate with the best geomean over
-the tuned shapes. An existing table at --out is updated, not replaced.
+the tuned shapes (``--keep-defaults`` leaves them: for a run over a few added shapes). An
+existing table at --out is updated, not replaced, and keeps its notes.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def save(table: dict, out: str, argv) -> None:
         "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
         "commands": commands if commands[-1:] == [command] else commands + [command],
         "timing": f"median of {bench_linear.REPLAYS} CUDA-graph replays, rotating inputs > 3x L2",
+        **({"notes": meta["notes"]} if "notes" in meta else {}),
     }
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
@@ -192,6 +194,9 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=10, help="graph replays per candidate (median)")
     p.add_argument("--no-precompile", action="store_true", help="compile in this process only")
     p.add_argument("--out", default=None, help="table path (default: fusepass/kernels/tuned/<arch>.json)")
+    p.add_argument("--keep-defaults", action="store_true",
+                   help="leave the table's bucket defaults as they are (when tuning a few added shapes: "
+                        "a default is chosen over the shapes of this run only)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("tune.py needs a CUDA GPU", file=sys.stderr)
@@ -233,8 +238,10 @@ def main(argv=None) -> int:
                 log(f"{done}/{todo} {dtype} M={bucket_m(bucket)} N={N} K={K}: {results[best]:.1f} us "
                     f"({results.get(base, math.nan) / results[best]:.2f}x faster than the built-in default) {best}")
             default, score = pick_default(bucket, per_shape)
-            table["defaults"][table_key(dtype, bucket)] = {"config": default.as_dict(), "geomean_vs_best": round(score, 3)}
-            log(f"default {table_key(dtype, bucket)}: {default} ({score:.3f}x the per-shape best, geomean)")
+            log(f"default {table_key(dtype, bucket)}: {default} ({score:.3f}x the per-shape best, geomean)"
+                + (" (not written: --keep-defaults)" if args.keep_defaults else ""))
+            if not args.keep_defaults:
+                table["defaults"][table_key(dtype, bucket)] = {"config": default.as_dict(), "geomean_vs_best": round(score, 3)}
             save(table, out, argv)  # after every bucket: a cut-short run keeps what it measured
     log(f"wrote {out}")
     return 0

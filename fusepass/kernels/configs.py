@@ -3,7 +3,8 @@
 ``select_config`` looks up ``tuned/<arch>.json`` (written offline by
 ``benchmarks/tune.py``) by (dtype, M bucket, N, K); an unseen (N, K) takes the bucket's
 tuned default (the config with the best geomean over the tuned shapes), and an
-architecture without a table takes the built-in defaults below. ``bucket_choices`` gives
+architecture without a table takes the built-in defaults below; either way a decode
+bucket then splits K to fill the GPU (``derive_split``). ``bucket_choices`` gives
 every bucket's config for one (N, K), for a launch whose M is only known at run time.
 Nothing is timed at run time, so the ops stay cheap to call and capture into CUDA graphs.
 """
@@ -53,10 +54,11 @@ POINTER_LOADS_MAX_M = 64
 # Decode buckets read each weight once, so a shape the table has not seen whose tiles leave
 # SMs idle is split along K: the largest power of two up to MOST_SPLITS (and one K block a
 # program) that keeps within DECODE_PROGRAMS_PER_SM programs per SM. The tuner's splits at
-# decode gave 1.5-4.8 programs per SM; on an H200, int8, over 16 (M, N, K) with M in (1, 16)
-# and N in 512..128256 (benchmarks/NOTES.md, run 7) the rule is within 1.23x of the best of 15
-# (block_n, split) configs, where the unsplit bucket default was up to 2.1x slower
-# (k_proj at M = 1, N = 1024, K = 4096: 12.8 us unsplit, 7.6 us in 8 splits).
+# decode give 1.0-4.8 programs per SM; on an H200, int8, at 16 points (M = 1 and 16, 8 (N, K)
+# with N in 512..128256; benchmarks/NOTES.md, run 7) the rule is within 1.23x of the best of
+# 15 (block_n, split) configs, where the unsplit bucket default was up to 2.14x slower
+# (k_proj at M = 1, N = 1024, K = 4096: 12.8 us unsplit, 7.6 us in 8 splits). Measured on
+# int8; fp8 and zero-point launches read the same bytes and take the same rule.
 DERIVED_SPLIT_MAX_M = 16
 DECODE_PROGRAMS_PER_SM = 2
 MOST_SPLITS = 8
@@ -116,12 +118,16 @@ def device_arch(device: torch.device) -> str | None:
     return f"sm{major}{minor}"
 
 
-@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device | None) -> int:
-    """Streaming multiprocessors of a CUDA device; DEFAULT_SMS elsewhere."""
+    """Streaming multiprocessors of a CUDA device ("cuda" alone: the current one); DEFAULT_SMS elsewhere."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
         return DEFAULT_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)  # on every launch: ask the driver once per device
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.int8, device=None, azp: bool = False) -> Config:

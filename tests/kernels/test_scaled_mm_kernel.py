@@ -194,6 +194,7 @@ def test_config_table_azp_falls_back_to_int8(table_dir):
     (1, 1024, 4096, 128, 8), (1, 14336, 4096, 128, 2), (1, 32000, 4096, 128, 1),
     (16, 1024, 4096, 32, 8), (16, 2048, 4096, 32, 4), (16, 14336, 4096, 32, 1),
     (1, 1024, 512, 128, 2),  # K = 512 has 2 blocks of 256
+    (1, 16896, 4096, 128, 2), (1, 16897, 4096, 128, 1),  # 132 tiles: 2 x 132 = 264 programs; 133: 266
     (64, 1024, 4096, 64, 1),  # above the decode buckets: the table's split, none derived
 ])
 def test_config_derived_split_fills_the_gpu(M, N, K, block_n, split):
@@ -207,6 +208,20 @@ def test_config_tuned_shape_keeps_its_split(table_dir):
                                                      "defaults": {}}))
     assert configs._config(configs.m_bucket(1), 1024, 4096, "int8", "sm90", 132) == tuned
     assert configs._config(configs.m_bucket(1), 1024, 8192, "int8", "sm90", 132).split_k == 8  # builtin, derived
+    # int8 with zero points falls back to int8's tuned shape, split included
+    assert configs._config(configs.m_bucket(1), 1024, 4096, "int8_azp", "sm90", 132) == tuned
+
+
+def test_config_split_follows_the_device_sm_count(table_dir, monkeypatch):
+    # The built-in M <= 16 tile is 16 x 64: N = 1024 has 16 tiles, N = 4096 has 64.
+    device = torch.device("cuda", 0)  # never asked: sm_count is replaced (16 SMs; 132 elsewhere)
+    monkeypatch.setattr(configs, "sm_count", lambda d: 16 if d == device else 132)
+    assert configs.select_config(1, 1024, 4096).split_k == 8  # 16 x 8 = 128 <= 2 x 132
+    assert configs.select_config(1, 1024, 4096, device=device).split_k == 2  # 16 x 2 = 32 <= 2 x 16
+    assert configs.select_config(1, 4096, 4096, device=device).split_k == 1  # 64 > 32
+    cpu = torch.device("cpu")
+    assert configs.bucket_choices(4096, 4096, torch.int8, cpu)[0][1].split_k == 4  # 64 x 4 = 256
+    assert configs.bucket_choices(4096, 4096, torch.int8, device)[0][1].split_k == 1
 
 
 def test_config_buckets():
