@@ -167,7 +167,7 @@ def summarize(result: dict) -> list[str]:
     def ratios(base, m):
         return [r["us"][base] / r["us"][ours] for r in rows if r["M"] == m and r["us"].get(base) and r["us"].get(ours)]
 
-    faster_up_to = None
+    faster_up_to, slower_seen = None, False  # over the Ms where cuBLAS runs (it refuses M = 1 on torch 2.11)
     for m in ms:
         x = ratios(cublas, m)
         floors = [r["floor_us"]["fp8"] / r["us"][ours] for r in rows if r["M"] == m and r.get("floor_us") and r["us"].get(ours)]
@@ -176,10 +176,15 @@ def summarize(result: dict) -> list[str]:
         if x:
             out.append(f"M={m}: {bl._geomean(x):.2f}x cuBLAS block-wise (min {min(x):.2f}x, max {max(x):.2f}x); "
                        f"{bl._geomean(ratios(dq, m)):.2f}x the dequantize + bf16 path")
-            if min(x) > 1 and faster_up_to == (ms[ms.index(m) - 1] if ms.index(m) else None):
+            slower_seen = slower_seen or min(x) <= 1
+            if not slower_seen:
                 faster_up_to = m
+        elif ratios(dq, m):
+            out.append(f"M={m}: cuBLAS block-wise did not run; {bl._geomean(ratios(dq, m)):.2f}x the dequantize + bf16 path")
     if any(ratios(cublas, m) for m in ms):
-        out.append(f"fused faster than cuBLAS at every shape for every M up to {faster_up_to} "
+        where = (f"for every M up to {faster_up_to}" if faster_up_to is not None
+                 else "at no M: cuBLAS is faster at some shape at every M it runs")
+        out.append(f"fused faster than cuBLAS at every shape {where} "
                    "(the pass fuses block-wise torch._scaled_mm on CUDA up to PassConfig.fp8_max_m = 16)")
     return out
 

@@ -50,6 +50,20 @@ def test_summary_reads_the_crossover(bench):
     assert lines[-1].startswith("fused faster than cuBLAS at every shape for every M up to 16 ")
 
 
+def test_summary_without_cublas_at_m1_and_no_crossover(bench):
+    """As on torch 2.11: cuBLAS refuses M = 1, and is faster somewhere at M = 16."""
+    def row(M, N, ours, cublas):
+        return {"M": M, "N": N, "K": 4096, "us": {"fusepass blockwise": ours, "fp8 torch._scaled_mm block-wise": cublas,
+                                                  "fp8 dequant + bf16 eager": 2 * ours}}
+
+    rows = [row(1, 4096, 10, None), row(16, 4096, 10, 9), row(16, 8192, 10, 20), row(64, 4096, 10, 20)]
+    lines = bench.summarize({"rows": rows})
+    assert lines[0] == "M=1: cuBLAS block-wise did not run; 2.00x the dequantize + bf16 path"
+    assert lines[-1].startswith("fused faster than cuBLAS at every shape at no M: cuBLAS is faster at some shape ")
+    rows[1] = row(16, 4096, 10, 11)  # now faster at M = 16 and 64: M = 1 does not break the chain
+    assert bench.summarize({"rows": rows})[-1].startswith("fused faster than cuBLAS at every shape for every M up to 64 ")
+
+
 def test_real_run_needs_a_gpu(bench):
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
