@@ -10,7 +10,7 @@ same path through the fusepass backend, and bf16 ``F.linear``.
 
 Protocol (BENCHMARKS.md, with bench_linear.py's helpers): each implementation is captured in a
 CUDA graph of R calls over R rotating copies of its inputs (together > 3x L2: cold weights),
-replayed 25 times, median per call; with its floor (bytes over the measured copy bandwidth, or
+replayed 25 times, median per call; with its floor (bytes over the measured read bandwidth, or
 2MNK over the measured fp8 peak). Before timing, every fp8 path's output is checked against an
 fp32 dequantized reference (relative Frobenius error, in the JSON as ``rel_err``). Writes
 ``benchmarks/results/<gpu>-<date>-blockwise-<shapes>.json`` and .png, prints a table and the
@@ -121,9 +121,9 @@ def wall_time_us(fn, t: dict, reps: int = 3) -> float:
 
 
 def floor_us(M: int, N: int, K: int, ceil: dict) -> dict:
-    """Per input kind: bytes that must move over the copy bandwidth, or 2MNK over the dense peak."""
+    """Per input kind: bytes that must move over the read bandwidth, or 2MNK over the dense peak."""
     nbytes = M * K + N * K + 4 * (M * blocks(K) + blocks(K) * blocks(N)) + 2 * M * N
-    fp8 = max(nbytes / (ceil["copy_TBps"] * 1e6), 2 * M * N * K / (ceil["fp8_TFLOPS"] * 1e6))
+    fp8 = max(nbytes / (bl.memory_tbps(ceil)[0] * 1e6), 2 * M * N * K / (ceil["fp8_TFLOPS"] * 1e6))
     return {"fp8": fp8, "bf16": bl.floor_us("bf16", M, N, K, ceil)}
 
 

@@ -1,0 +1,36 @@
+"""benchmarks/bench_linear.py's summary (the timing itself needs a GPU): decode held to the
+measured read bandwidth where a result has it, and beside bf16's own bytes per second."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_linear", ROOT / "benchmarks" / "bench_linear.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows():
+    # N * K = 2**24 weights: int8 reads 16.8 MB, bf16 33.6 MB.
+    return [{"M": 1, "N": 4096, "K": 4096, "us": {"fusepass int8": 5.0, "bf16 F.linear": 10.0}},
+            {"M": 1, "N": 1024, "K": 16384, "us": {"fusepass int8": 8.0, "bf16 F.linear": 12.0}}]
+
+
+def test_decode_against_read_bandwidth_and_bf16(bench):
+    ceil = {"copy_TBps": 2.7, "read_TBps": 4.0, "int8_TOPS": 1000.0, "fp8_TFLOPS": 1400.0, "bf16_TFLOPS": 760.0}
+    (line,) = bench.summarize({"rows": _rows(), "ceilings": ceil})
+    assert line == ("int8, M=1: weight read 2.10-3.36 TB/s = 52%-84% of read bandwidth 4.00 (target 85%); "
+                    "bf16 F.linear reads 2.80-3.36 TB/s; 1.50-2.00x bf16 F.linear (target 1.8x)")
+    assert bench.floor_us("int8", 1, 4096, 4096, ceil) == pytest.approx((2**24 + 4096 + 4 * 4097 + 2 * 4096 * 2) / 4e6)
+
+
+def test_older_results_fall_back_to_copy_bandwidth(bench):
+    (line,) = bench.summarize({"rows": _rows(), "ceilings": {"copy_TBps": 2.7}})
+    assert "of copy bandwidth 2.70" in line
