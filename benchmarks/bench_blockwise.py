@@ -167,7 +167,10 @@ def summarize(result: dict) -> list[str]:
     def ratios(base, m):
         return [r["us"][base] / r["us"][ours] for r in rows if r["M"] == m and r["us"].get(base) and r["us"].get(ours)]
 
-    faster_up_to, slower_seen = None, False  # over the Ms where cuBLAS runs (it refuses M = 1 on torch 2.11)
+    # The crossover: the largest M up to which we are faster at every shape, over the Ms
+    # from the first one cuBLAS runs (it refuses M = 1 on torch 2.11); an M it skips after
+    # that ends the run, as one where it is faster does.
+    faster_up_to, first, ended = None, None, False
     for m in ms:
         x = ratios(cublas, m)
         floors = [r["floor_us"]["fp8"] / r["us"][ours] for r in rows if r["M"] == m and r.get("floor_us") and r["us"].get(ours)]
@@ -176,14 +179,15 @@ def summarize(result: dict) -> list[str]:
         if x:
             out.append(f"M={m}: {bl._geomean(x):.2f}x cuBLAS block-wise (min {min(x):.2f}x, max {max(x):.2f}x); "
                        f"{bl._geomean(ratios(dq, m)):.2f}x the dequantize + bf16 path")
-            slower_seen = slower_seen or min(x) <= 1
-            if not slower_seen:
-                faster_up_to = m
+            first = m if first is None else first
         elif ratios(dq, m):
             out.append(f"M={m}: cuBLAS block-wise did not run; {bl._geomean(ratios(dq, m)):.2f}x the dequantize + bf16 path")
-    if any(ratios(cublas, m) for m in ms):
+        if first is not None and not ended:
+            ended = not x or min(x) <= 1
+            faster_up_to = faster_up_to if ended else m
+    if first is not None:
         where = (f"for every M up to {faster_up_to}" if faster_up_to is not None
-                 else "at no M: cuBLAS is faster at some shape at every M it runs")
+                 else f"at no M: cuBLAS is faster at some shape at M = {first}")
         out.append(f"fused faster than cuBLAS at every shape {where} "
                    "(the pass fuses block-wise torch._scaled_mm on CUDA up to PassConfig.fp8_max_m = 16)")
     return out

@@ -59,9 +59,12 @@ def test_summary_without_cublas_at_m1_and_no_crossover(bench):
     rows = [row(1, 4096, 10, None), row(16, 4096, 10, 9), row(16, 8192, 10, 20), row(64, 4096, 10, 20)]
     lines = bench.summarize({"rows": rows})
     assert lines[0] == "M=1: cuBLAS block-wise did not run; 2.00x the dequantize + bf16 path"
-    assert lines[-1].startswith("fused faster than cuBLAS at every shape at no M: cuBLAS is faster at some shape ")
+    assert lines[-1].startswith("fused faster than cuBLAS at every shape at no M: cuBLAS is faster at some shape at M = 16 ")
     rows[1] = row(16, 4096, 10, 11)  # now faster at M = 16 and 64: M = 1 does not break the chain
     assert bench.summarize({"rows": rows})[-1].startswith("fused faster than cuBLAS at every shape for every M up to 64 ")
+    # cuBLAS missing at M = 16, after it ran at M = 1: the run ends at 1, not at 64
+    gap = [row(1, 4096, 10, 20), row(16, 4096, 10, None), row(64, 4096, 10, 20)]
+    assert bench.summarize({"rows": gap})[-1].startswith("fused faster than cuBLAS at every shape for every M up to 1 ")
 
 
 def test_real_run_needs_a_gpu(bench):

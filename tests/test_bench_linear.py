@@ -33,4 +33,4 @@ def test_decode_against_read_bandwidth_and_bf16(bench):
 
 def test_older_results_fall_back_to_copy_bandwidth(bench):
     (line,) = bench.summarize({"rows": _rows(), "ceilings": {"copy_TBps": 2.7}})
-    assert "of copy bandwidth 2.70" in line
+    assert "of copy bandwidth 2.70 (target 75%)" in line

@@ -9,7 +9,7 @@ they cannot wait for the epilogue: each group is summed into an fp32 partial (``
 BLOCK_K`` dots; BLOCK_K divides 128), which is scaled by ``scale_a[:, g] x scale_b[g, :]`` and
 added to the fp32 accumulator one group late: group g's dots are issued before group g-1's
 partial is scaled, so the MMAs need not wait for each scaling (1.03-1.27x faster at M >= 256,
-1.05-1.21x at M <= 64, H200; benchmarks/NOTES.md, run 7). Hopper's fp8 MMAs add at reduced
+1.06-1.21x at M <= 64, H200; benchmarks/NOTES.md, run 7). Hopper's fp8 MMAs add at reduced
 precision, so the partial is promoted to fp32 every BLOCK_K (``max_num_imprecise_acc``), as
 in ``scaled_mm.py``.
 
