@@ -1,22 +1,17 @@
 """benchmarks/bench_blockwise.py: its --smoke run (every path a GPU run takes, with a wall-clock
 timer instead of CUDA graphs; on a CPU the kernel runs in Triton's interpreter) and its summary."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_scripts import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_blockwise", ROOT / "benchmarks" / "bench_blockwise.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_blockwise")
 
 
 def test_smoke_run_checks_and_writes_results(bench, tmp_path, capsys):

@@ -1,20 +1,14 @@
 """benchmarks/bench_linear.py's summary (the timing itself needs a GPU): decode held to the
 measured read bandwidth where a result has it, and beside bf16's own bytes per second."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_scripts import load
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_linear", ROOT / "benchmarks" / "bench_linear.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_linear")
 
 
 def _rows():

@@ -1,24 +1,17 @@
 """benchmarks/tune.py's table bookkeeping (the tuning itself needs a GPU): an updated table
 keeps the commands that wrote it and its notes."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_scripts import load
 
 
 @pytest.fixture(scope="module")
 def tune():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # tune.py imports bench_linear beside it
-    spec = importlib.util.spec_from_file_location("tune", ROOT / "benchmarks" / "tune.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("tune")
 
 
 def test_save_appends_the_command_and_keeps_notes(tune, tmp_path, monkeypatch):
