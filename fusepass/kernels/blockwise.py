@@ -91,10 +91,7 @@ def blockwise_mm_kernel(
     # The previous group's partial and its scales, added to acc once this group's dots are
     # issued (see the module docstring: one group late).
     prev = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if BLOCK_N <= GROUP_K:
-        prev_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    else:
-        prev_s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    prev_s = tl.zeros((BLOCK_M, 1 if BLOCK_N <= GROUP_K else BLOCK_N), dtype=tl.float32)
     for g in range(g_first, g_end):
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for s in tl.static_range(GROUP_K // BLOCK_K):
@@ -109,23 +106,17 @@ def blockwise_mm_kernel(
             part = tl.dot(a_tile, b_tile, part, max_num_imprecise_acc=BLOCK_K)
             a_ptrs += step_a
             b_ptrs += step_b
-        if BLOCK_N <= GROUP_K:
-            acc += prev * prev_s[:, None]
-        else:
-            acc += prev * prev_s
+        acc += prev * prev_s
         sa = tl.load(sa_ptrs)  # (BLOCK_M,)
         sb = tl.load(sb_ptrs)  # scalar or (BLOCK_N,)
         if BLOCK_N <= GROUP_K:
-            prev_s = sa * sb
+            prev_s = (sa * sb)[:, None]
         else:
             prev_s = sa[:, None] * sb[None, :]
         prev = part
         sa_ptrs += step_sa
         sb_ptrs += step_sb
-    if BLOCK_N <= GROUP_K:
-        acc += prev * prev_s[:, None]
-    else:
-        acc += prev * prev_s
+    acc += prev * prev_s
 
     # Store with unwrapped indices so the wrapped (duplicate) rows/columns are masked off.
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)

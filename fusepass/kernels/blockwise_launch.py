@@ -39,6 +39,8 @@ CONFIGS = (
     (1024, Config(64, 128, 128, num_warps=4, num_stages=3), 1, 4),
     (None, Config(64, 128, 128, num_warps=4, num_stages=3), 0, 1),  # 128x128, 8 warps: 1.19-1.21x slower
 )
+
+
 def _fitted(row: tuple, N: int, K: int, device) -> Config:
     """The row's config fitted to N and K, with its split-K (see CONFIGS)."""
     top, cfg, per_sm, most = row
