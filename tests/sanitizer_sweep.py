@@ -1,7 +1,7 @@
 """A sweep of ragged shapes over every tile path and epilogue variant, for compute-sanitizer.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python -m tests.sanitizer_sweep
+        python -m tests.sanitizer_sweep [ops | paths]    # both parts by default
 
 Without the caching allocator every tensor is its own allocation, so a read or write one
 element past an edge is reported. Each case is also checked against the float64 oracle.
@@ -29,7 +29,8 @@ VARIANTS = [
     dict(azp="token", azp_dtype=torch.float32),
 ]
 # Main-loop paths the tuned table may pick, forced on every shape (the ops above take the
-# table's choice): TMA loads, split-K with its reduction kernel, both, and wide tiles.
+# table's choice): TMA loads, split-K (its slices, tickets and last-program sum), both, and
+# wide tiles.
 PATHS = [
     Config(16, 64, 128, tma=True),
     Config(16, 32, 128, split_k=4),
@@ -38,7 +39,8 @@ PATHS = [
 ]
 
 
-def main() -> int:
+def ops_cases() -> int:
+    """Every shape and variant through the ops (the tuned configs); returns the case count."""
     n = 0
     for (M, (N, K)), variant in itertools.product(itertools.product(MS, NK), VARIANTS):
         p = make_problem(M, N, K, device="cuda", seed=n, **variant)
@@ -50,6 +52,12 @@ def main() -> int:
         torch.cuda.synchronize()
         assert_matches_oracle(out, p, out_dtype)
         n += 1
+    return n
+
+
+def path_cases() -> int:
+    """Each of PATHS forced on every shape, the variants in turn; returns the case count."""
+    n = 0
     for (M, (N, K)), cfg in itertools.product(itertools.product(MS, NK), PATHS):
         variant = VARIANTS[n % len(VARIANTS)]
         p = make_problem(M, N, K, device="cuda", seed=n, **variant)
@@ -57,8 +65,18 @@ def main() -> int:
         torch.cuda.synchronize()
         assert_matches_oracle(out, p, torch.float32)
         n += 1
-    print(f"sanitizer sweep: {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} variants"
-          f" through the ops + {len(PATHS)} forced kernel paths)), all match the oracle")
+    return n
+
+
+def main() -> int:
+    parts = sys.argv[1:] or ["ops", "paths"]
+    unknown = set(parts) - {"ops", "paths"}
+    if unknown:
+        print(f"unknown part(s) {sorted(unknown)}: choose from ops, paths", file=sys.stderr)
+        return 2
+    n = (ops_cases() if "ops" in parts else 0) + (path_cases() if "paths" in parts else 0)
+    print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} "
+          f"variants through the ops, {len(PATHS)} forced kernel paths)), all match the oracle")
     return 0
 
 

@@ -14,9 +14,9 @@ precision, so the partial is promoted to fp32 every BLOCK_K (``max_num_imprecise
 in ``scaled_mm.py``.
 
 ``SPLIT_K`` > 1 splits the K groups over programs along grid axis 1 (decode at a small N has
-too few N tiles to keep every SM reading): each writes its fp32 sum, already scaled, to
-``partial``, and ``scaled_mm.splitk_epilogue_kernel`` adds the slices in a fixed order, adds
-the bias and casts.
+too few N tiles to keep every SM reading): each publishes its fp32 sum, already scaled, and
+the last of a tile's programs adds the slices in a fixed order, adds the bias and casts
+(``scaled_mm.split_k_sum``: one launch).
 
 Pointer loads only (no TMA): row/column offsets are 64-bit, ragged M and N
 wrap around (in-bounds loads, results masked at the store), and a ragged K (``EVEN_K`` off:
@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled_mm import grouped_tile
+from .scaled_mm import grouped_tile, split_k_sum
 
 
 @triton.jit
@@ -42,6 +42,7 @@ def blockwise_mm_kernel(
     scale_a_ptr, scale_b_ptr,  # (M, ceil(K/128)), (ceil(K/128), ceil(N/128)); fp32
     bias_ptr,  # (N,); None when unused
     partial_ptr,  # (SPLIT_K, M, N) fp32 when SPLIT_K > 1; None otherwise
+    tickets_ptr,  # (tiles,) int32 zeros when SPLIT_K > 1; None otherwise
     # Sizes
     M, N, K,
     # Strides (any layout)
@@ -122,9 +123,10 @@ def blockwise_mm_kernel(
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    if SPLIT_K > 1:  # this slice's sum; the reduction kernel adds the bias
-        tl.store(partial_ptr + tl.program_id(1) * M * N + rows[:, None] * N + cols[None, :], acc, mask=mask)
-    else:
+    last = True
+    if SPLIT_K > 1:
+        last, acc = split_k_sum(acc, partial_ptr, tickets_ptr, rows, cols, mask, M, N, SPLIT_K)
+    if last:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,

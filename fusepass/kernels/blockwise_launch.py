@@ -22,7 +22,7 @@ from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
 from .configs import Config, fit, merge_buckets, sm_count
 from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output, on_device,
-                     reduce_split_k)
+                     split_k_buffers)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -87,14 +87,14 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
     fake = _traced(a)
     if INTERPRETED and fake:
         return out
-    partial = torch.empty((cfg.split_k, M, N), dtype=torch.float32, device=a.device) if cfg.split_k > 1 else None
     wrap = wrap_triton if fake else _plain
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, torch.float32, a.device)
     wrap(blockwise_mm_kernel)[grid](
         a, b, out,
         scale_a, scale_b,
         bias,  # None when unused (a constexpr: see launch._run)
-        partial,
+        partial, tickets,
         M, N, K,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
@@ -109,10 +109,6 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
         EVEN_K=statically_known_true(K % BLOCK == 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:  # the slices are already scaled: a raw sum, the bias and the cast
-        reduce_split_k(wrap, partial, out, (None, None, bias, None, None),
-                       dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=False,
-                            HAS_BIAS=bias is not None, AZP=0, RAW_ACC=True))
     return out
 
 

@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from torch.library import wrap_triton
 
 from .configs import Config, bucket_choices, select_config
-from .scaled_mm import scaled_mm_kernel, splitk_epilogue_kernel
+from .scaled_mm import scaled_mm_kernel
 
 ACC_DTYPES = (torch.int32,)  # out_dtype of fusepass.int_mm: the accumulator, no epilogue
 # Under TRITON_INTERPRET=1 the kernels are Python run on the data, not traceable launches:
@@ -105,7 +105,7 @@ def _per_element(v: torch.Tensor | None) -> bool:
 
 
 def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp):
-    """Launch the kernel(s) of one config; returns the new (M, N) output."""
+    """Launch the kernel of one config; returns the new (M, N) output."""
     M, K = a.shape
     N = b.shape[1]
     out = new_output(a, b, out_dtype)
@@ -118,18 +118,16 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
     # Inductor gets no second alias of a tensor to clone.
     vectors = (scale_a, scale_b, bias, azp_adj, azp)
-    partial = None
-    if cfg.split_k > 1:
-        acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
-        partial = torch.empty((cfg.split_k, M, N), dtype=acc_dtype, device=a.device)
     grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
+    partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, acc_dtype, a.device)
     # Traced: a node Inductor launches. Eager: the kernel itself (wrap_triton outside a
     # triton_op dispatches through a higher-order op: 400 us a call vs 43 us, H200 host).
     wrap = wrap_triton if fake else _plain
     wrap(scaled_mm_kernel)[grid](
         a, b, out,
         *vectors,
-        partial,
+        partial, tickets,
         M, N, K,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
@@ -142,24 +140,16 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
         EVEN_K=statically_known_true(K % cfg.block_k == 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:
-        reduce_split_k(wrap, partial, out, vectors, flags)
     return out
 
 
-def reduce_split_k(wrap, partial, out, vectors: tuple, flags: dict) -> None:
-    """``splitk_epilogue_kernel`` into ``out``: the fixed-order sum of ``partial``'s
-    (SPLIT_K, M, N) slices, then the epilogue that ``vectors`` and ``flags`` describe."""
-    (M, N), block_m, block_n = out.shape, 16, 128
-    wrap(splitk_epilogue_kernel)[(triton.cdiv(M, block_m), triton.cdiv(N, block_n))](
-        partial, out,
-        *vectors,
-        M, N,
-        out.stride(0), out.stride(1),
-        **flags,
-        SPLIT_K=partial.shape[0],
-        BLOCK_M=block_m, BLOCK_N=block_n,
-    )
+def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device):
+    """``(partial, tickets)`` of a split-K launch (``scaled_mm.split_k_sum``): the (split_k,
+    M, N) slices and one zeroed ticket counter per output tile; ``(None, None)`` unsplit."""
+    if split_k == 1:
+        return None, None
+    return (torch.empty((split_k, M, N), dtype=acc_dtype, device=device),
+            torch.zeros((tiles,), dtype=torch.int32, device=device))
 
 
 # The size symbols of the graph being lowered (SymInts), set by fusepass.passes.lower while

@@ -16,9 +16,11 @@ to straight-line code. Two more constexprs pick the main loop:
   may pass 2**31 elements; ragged M and N wrap around (in-bounds loads, results masked at
   the store) and ragged K is masked with zeros.
 - ``SPLIT_K``: at decode sizes a small weight gives too few (M, N) tiles to keep every SM
-  reading; SPLIT_K > 1 programs each sum a slice of K into an int32/fp32 partial buffer,
-  and ``splitk_epilogue_kernel`` adds the slices in a fixed order (deterministic) and runs
-  the epilogue.
+  reading; SPLIT_K > 1 programs each sum a slice of K and publish it in an int32/fp32
+  partial buffer (``split_k_sum``). The last of a tile's programs to arrive (an atomic
+  ticket) adds the slices in a fixed order, so the sum is the same on every run, and runs
+  the epilogue: one launch, where a separate reduction kernel cost a second launch's host
+  time on every call.
 
 ``launch`` (in ``launch.py``) chooses the configuration and launches these kernels.
 """
@@ -51,7 +53,7 @@ def _epilogue(
     HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
 ):
     # No early return: Triton still compiles the statements after one, None pointers included.
-    if RAW_ACC:  # no scales: fusepass.int_mm's accumulator, or block-wise split-K's scaled sums
+    if RAW_ACC:  # no scales: fusepass.int_mm's accumulator
         x = acc
     else:
         # Zero point first, in the accumulator's integer domain when azp/azp_adj are int32
@@ -84,6 +86,7 @@ def scaled_mm_kernel(
     scale_a_ptr, scale_b_ptr,  # (M,) or (1,), (N,) or (1,); fp32
     bias_ptr, azp_adj_ptr, azp_ptr,  # (N,), (N,), (M,); None when unused
     partial_ptr,  # (SPLIT_K, M, N) int32 or fp32 when SPLIT_K > 1; None otherwise
+    tickets_ptr,  # (tiles,) int32 zeros when SPLIT_K > 1; None otherwise
     # Sizes
     M, N, K,
     # Strides (any layout of a and b without TMA)
@@ -158,7 +161,10 @@ def scaled_mm_kernel(
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
-    if SPLIT_K == 1:
+    last = True
+    if SPLIT_K > 1:
+        last, acc = split_k_sum(acc, partial_ptr, tickets_ptr, rows, cols, mask, M, N, SPLIT_K)
+    if last:
         x = _epilogue(
             acc, offs_m, offs_n,
             scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
@@ -166,36 +172,31 @@ def scaled_mm_kernel(
         )
         out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on
         tl.store(out_ptrs, x.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        slice_ptr = partial_ptr + tl.program_id(1).to(tl.int64) * M * N
-        tl.store(slice_ptr + rows[:, None] * N + cols[None, :], acc, mask=mask)
 
 
 @triton.jit
-def splitk_epilogue_kernel(
-    partial_ptr,  # (SPLIT_K, M, N) int32 or fp32
-    out_ptr,  # (M, N)
-    scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+def split_k_sum(
+    acc,  # (BLOCK_M, BLOCK_N) int32 or fp32: this program's slice of K
+    partial_ptr,  # (SPLIT_K, M, N) of acc's dtype
+    tickets_ptr,  # (tiles,) int32, zero before the launch
+    rows, cols, mask,  # (BLOCK_M,), (BLOCK_N,) int64 unwrapped; (BLOCK_M, BLOCK_N) in bounds
     M, N,
-    stride_om, stride_on,
-    SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
     SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    offs_m = rows % M
-    offs_n = cols % N
-    ptrs = partial_ptr + offs_m[:, None] * N + offs_n[None, :]
-    acc = tl.load(ptrs)
-    for s in tl.static_range(1, SPLIT_K):  # fixed order: the same sum on every run
-        acc += tl.load(ptrs + s * M * N)
-    x = _epilogue(
-        acc, offs_m, offs_n,
-        scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
-        SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,
-    )
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
-             x.to(out_ptr.dtype.element_ty), mask=mask)
+    """Publish ``acc`` as this program's slice and take a ticket for its tile (grid axis 0).
+    Returns ``(last, total)``: ``last`` is true in the one program that arrives last, where
+    ``total`` is the sum of every slice in slice order (the same sum on every run, whichever
+    program is last); elsewhere ``total`` is ``acc``."""
+    tile = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N)
+    tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * M * N + tile, acc, mask=mask)
+    # Every thread's slice is stored before the ticket's release (one thread takes it).
+    tl.debug_barrier()
+    ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel")
+    last = ticket == SPLIT_K - 1
+    total = acc
+    if last:
+        # .cg: read the other programs' slices from L2, past this SM's (incoherent) L1.
+        total = tl.load(partial_ptr + tile, mask=mask, other=0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT_K):
+            total += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0, cache_modifier=".cg")
+    return last, total

@@ -86,8 +86,8 @@ def test_kernel_writes_every_element():
 
 
 # The main-loop paths beside the default: TMA loads through device-made descriptors (zero
-# fill past the edges),
-# split-K (partial sums + the reduction kernel; split counts that leave empty slices), both.
+# fill past the edges), split-K (slices, tickets and the last program's sum; split counts
+# that leave empty slices), both.
 PATHS = {
     "tma": Config(16, 32, 32, tma=True),
     "split3": Config(16, 32, 32, split_k=3),

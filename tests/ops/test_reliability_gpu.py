@@ -3,7 +3,11 @@
 import pytest
 import torch
 
+from torch.fx.experimental.proxy_tensor import make_fx
+
 import fusepass
+from fusepass.kernels.configs import Config
+from fusepass.kernels.launch import launch_scaled_mm
 from tests.helpers import assert_matches_oracle, make_problem, oracle
 
 pytestmark = pytest.mark.gpu
@@ -89,3 +93,24 @@ def test_oracle_itself_is_exact_for_int8():
     p = make_problem(3, 8, 16, device="cuda")
     ref, _ = oracle(p)
     torch.testing.assert_close(ref, (p.a.double() @ p.b.double()) * p.scale_a.double() * p.scale_b.double())
+
+
+# Split-K in one launch: the last program of each tile to arrive adds the slices. Which one is
+# last changes from run to run; the sum must not (fp32 adds in slice order).
+SPLIT = Config(16, 32, 128, split_k=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_split_k_sum_is_the_same_on_every_run(dtype):
+    p = make_problem(16, 1024, 4096, dtype, device="cuda", bias_dtype=torch.float32)
+    runs = [launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, config=SPLIT) for _ in range(50)]
+    assert_matches_oracle(runs[0], p, torch.float32)
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+
+
+def test_split_k_is_one_kernel_in_compiled_code():
+    p = make_problem(16, 1024, 4096, device="cuda", bias_dtype=torch.float32)
+    gm = make_fx(lambda *t: launch_scaled_mm(*t, torch.float32, config=SPLIT), tracing_mode="fake")(
+        p.a, p.b, p.scale_a, p.scale_b)
+    kernels = [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+    assert len(kernels) == 1, gm.code
