@@ -37,7 +37,7 @@ class Config:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    split_k: int = 1  # programs along K; > 1 adds a small reduction kernel
+    split_k: int = 1  # programs along K; > 1: slices summed by each tile's last program
     tma: bool = False  # TMA loads (device-made descriptors) where the operand layout allows them
 
     def as_dict(self) -> dict:

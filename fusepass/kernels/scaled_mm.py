@@ -22,7 +22,7 @@ to straight-line code. Two more constexprs pick the main loop:
   the epilogue: one launch, where a separate reduction kernel cost a second launch's host
   time on every call.
 
-``launch`` (in ``launch.py``) chooses the configuration and launches these kernels.
+``launch`` (in ``launch.py``) chooses the configuration and launches the kernel.
 """
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ def split_k_sum(
     ``total`` is the sum of every slice in slice order (the same sum on every run, whichever
     program is last); elsewhere ``total`` is ``acc``."""
     tile = rows[:, None] * N + cols[None, :]  # (BLOCK_M, BLOCK_N)
-    tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * M * N + tile, acc, mask=mask)
+    slice_size = tl.cast(M, tl.int64) * N  # 64-bit: SPLIT_K * M * N may pass 2**31
+    tl.store(partial_ptr + tl.program_id(1) * slice_size + tile, acc, mask=mask)
     # Every thread's slice is stored before the ticket's release (one thread takes it).
     tl.debug_barrier()
     ticket = tl.atomic_add(tickets_ptr + tl.program_id(0), 1, sem="acq_rel")
@@ -198,5 +199,5 @@ def split_k_sum(
         # .cg: read the other programs' slices from L2, past this SM's (incoherent) L1.
         total = tl.load(partial_ptr + tile, mask=mask, other=0, cache_modifier=".cg")
         for s in tl.static_range(1, SPLIT_K):
-            total += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0, cache_modifier=".cg")
+            total += tl.load(partial_ptr + s * slice_size + tile, mask=mask, other=0, cache_modifier=".cg")
     return last, total
