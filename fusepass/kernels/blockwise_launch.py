@@ -11,6 +11,7 @@ every SM reading (M = 16, N = 576, K = 7168: 33.4 us unsplit, 10.2 us in 8 split
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -41,15 +42,15 @@ CONFIGS = (
 )
 
 
-def _fitted(row: tuple, N: int, K: int, device) -> Config:
-    """The row's config fitted to N and K, with its split-K (see CONFIGS)."""
+@functools.lru_cache(maxsize=4096)  # on the eager launch path, as configs._config
+def _fitted(row: tuple, N: int, K: int, sms: int) -> Config:
+    """The row's config fitted to N and K, with its split-K for ``sms`` SMs (see CONFIGS)."""
     top, cfg, per_sm, most = row
     cfg = fit(cfg, N, K)
     split = 1
     if top is not None and most > 1:
         tiles = triton.cdiv(top, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        target = per_sm * sm_count(device)
-        split = max(1, min(most, triton.cdiv(K, BLOCK), round(target / tiles)))
+        split = max(1, min(most, triton.cdiv(K, BLOCK), round(per_sm * sms / tiles)))
     return replace(cfg, split_k=split)
 
 
@@ -69,14 +70,14 @@ def check_config(cfg: Config) -> None:
 
 def select_config(M: int, N: int, K: int, device=None) -> Config:
     """The config of M's bucket, fitted to N and K, with its split-K."""
-    return _fitted(next(row for row in CONFIGS if row[0] is None or M <= row[0]), N, K, device)
+    return _fitted(next(row for row in CONFIGS if row[0] is None or M <= row[0]), N, K, sm_count(device))
 
 
 def bucket_choices(N, K, device=None) -> list:
     """``[(top, Config)]`` of every bucket, fitted where N and K are numbers, adjacent buckets
     with the same config merged (``_by_m``'s input: one ``cond`` branch per distinct config)."""
-    concrete = is_concrete_int(N) and is_concrete_int(K)
-    return merge_buckets((row[0], _fitted(row, int(N), int(K), device) if concrete else row[1]) for row in CONFIGS)
+    concrete, sms = is_concrete_int(N) and is_concrete_int(K), sm_count(device)
+    return merge_buckets((row[0], _fitted(row, int(N), int(K), sms) if concrete else row[1]) for row in CONFIGS)
 
 
 def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):

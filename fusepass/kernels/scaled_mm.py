@@ -75,7 +75,7 @@ def _epilogue(
         else:
             x = x * tl.load(scale_b_ptr)
     if HAS_BIAS:
-        x = x.to(tl.float32) + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+        x = x + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     return x
 
 
