@@ -21,9 +21,9 @@ from torch.library import wrap_triton
 
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
-from .configs import Config, fit, merge_buckets, sm_count
-from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, new_output, on_device,
-                     split_k_buffers)
+from .configs import Config, decode_unsplit, fit, merge_buckets, sm_count
+from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, in_cuda_graph, new_output,
+                     on_device, split_k_buffers)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -43,15 +43,16 @@ CONFIGS = (
 
 
 @functools.lru_cache(maxsize=4096)  # on the eager launch path, as configs._config
-def _fitted(row: tuple, N: int, K: int, sms: int) -> Config:
-    """The row's config fitted to N and K, with its split-K for ``sms`` SMs (see CONFIGS)."""
+def _fitted(row: tuple, N: int, K: int, sms: int, in_graph: bool = True) -> Config:
+    """The row's config fitted to N and K, with its split-K for ``sms`` SMs (see CONFIGS;
+    decode buckets split only inside a CUDA graph: ``configs.decode_unsplit``)."""
     top, cfg, per_sm, most = row
     cfg = fit(cfg, N, K)
     split = 1
     if top is not None and most > 1:
         tiles = triton.cdiv(top, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         split = max(1, min(most, triton.cdiv(K, BLOCK), round(per_sm * sms / tiles)))
-    return replace(cfg, split_k=split)
+    return decode_unsplit(replace(cfg, split_k=split), top, in_graph)
 
 
 def check_config(cfg: Config) -> None:
@@ -68,16 +69,19 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"block-wise config: split_k must be >= 1; got {cfg.split_k}")
 
 
-def select_config(M: int, N: int, K: int, device=None) -> Config:
-    """The config of M's bucket, fitted to N and K, with its split-K."""
-    return _fitted(next(row for row in CONFIGS if row[0] is None or M <= row[0]), N, K, sm_count(device))
+def select_config(M: int, N: int, K: int, device=None, in_graph: bool = True) -> Config:
+    """The config of M's bucket, fitted to N and K, with its split-K (``in_graph``: launched
+    inside a CUDA graph)."""
+    row = next(row for row in CONFIGS if row[0] is None or M <= row[0])
+    return _fitted(row, N, K, sm_count(device), in_graph)
 
 
-def bucket_choices(N, K, device=None) -> list:
+def bucket_choices(N, K, device=None, in_graph: bool = True) -> list:
     """``[(top, Config)]`` of every bucket, fitted where N and K are numbers, adjacent buckets
     with the same config merged (``_by_m``'s input: one ``cond`` branch per distinct config)."""
     concrete, sms = is_concrete_int(N) and is_concrete_int(K), sm_count(device)
-    return merge_buckets((row[0], _fitted(row, int(N), int(K), sms) if concrete else row[1]) for row in CONFIGS)
+    return merge_buckets((row[0], _fitted(row, int(N), int(K), sms, in_graph) if concrete else row[1])
+                         for row in CONFIGS)
 
 
 def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
@@ -132,16 +136,17 @@ def launch_scaled_mm_blockwise(
         return torch.empty((M, N), dtype=out_dtype, device=a.device)
     fake = _traced(a)
     bias = _flat(bias, fake)
+    in_graph = config is None and in_cuda_graph(a, fake)
     if config is not None:
         check_config(config)
     elif all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        config = select_config(int(M), int(N), int(K), a.device)
+        config = select_config(int(M), int(N), int(K), a.device, in_graph)
     tensors = (a, b, scale_a, scale_b) + ((bias,) if bias is not None else ())
     if config is not None:
         def launch():
             return _run(config, out_dtype, *tensors)
     else:  # a symbolic size: the config of M's bucket, picked at run time
         def launch():
-            return _by_m(bucket_choices(N, K, a.device), lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors,
+            return _by_m(bucket_choices(N, K, a.device, in_graph), lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors,
                          GRAPH_SYMBOLS.get())
     return on_device(a, fake, launch)

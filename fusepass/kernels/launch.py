@@ -100,6 +100,18 @@ def on_device(a: torch.Tensor, fake: bool, launch):
     return launch()
 
 
+def in_cuda_graph(a: torch.Tensor, fake: bool) -> bool:
+    """Whether this launch will run inside a CUDA graph, where its host time is hidden (the
+    configs' ``in_graph``). Traced: Inductor's ``triton.cudagraphs`` option while it lowers
+    (``mode="reduce-overhead"`` or ``"max-autotune"``; part of its FX-graph-cache key).
+    Eagerly: a stream capture in progress (a ``torch.cuda.graph`` of the user's, or a bench's)."""
+    if fake:
+        from torch._inductor import config
+
+        return bool(config.triton.cudagraphs)
+    return a.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _per_element(v: torch.Tensor | None) -> bool:
     return v is not None and not statically_known_true(v.numel() == 1)
 
@@ -215,13 +227,14 @@ def launch_scaled_mm(
         RAW_ACC=out_dtype in ACC_DTYPES,
     )
     M, K = a.shape
+    in_graph = config is None and in_cuda_graph(a, fake)
     if config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp=azp_adj is not None)
+        config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, in_graph)
     if config is not None:
         def launch():
             return _run(config, flags, out_dtype, a, b, scale_a, scale_b, bias, azp_adj, azp)
     else:  # a symbolic size: the config of M's bucket, picked at run time
-        choices = bucket_choices(N, K, a.dtype, a.device, azp=azp_adj is not None)
+        choices = bucket_choices(N, K, a.dtype, a.device, azp_adj is not None, in_graph)
         # cond takes tensors only: the None arguments stay in the closure, by position.
         args = (a, b, scale_a, scale_b, bias, azp_adj, azp)
         present = [i for i, t in enumerate(args) if t is not None]

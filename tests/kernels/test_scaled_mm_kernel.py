@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusepass.kernels import launch_scaled_mm
-from fusepass.kernels import configs
+from fusepass.kernels import configs, launch
 from fusepass.kernels.configs import Config, select_config
 from fusepass.kernels.launch import tma_allowed
 from tests.helpers import assert_matches_oracle, make_problem
@@ -222,6 +222,42 @@ def test_config_split_follows_the_device_sm_count(table_dir, monkeypatch):
     cpu = torch.device("cpu")
     assert configs.bucket_choices(4096, 4096, torch.int8, cpu)[0][1].split_k == 4  # 64 x 4 = 256
     assert configs.bucket_choices(4096, 4096, torch.int8, device)[0][1].split_k == 1
+
+
+def test_decode_splits_only_inside_cuda_graphs(table_dir):
+    # Outside a CUDA graph the counters' fill is one more launch a host-bound decode step pays
+    # for (benchmarks/NOTES.md, run 9); a larger M keeps its split.
+    in_graph = select_config(1, 1024, 4096)
+    assert in_graph.split_k == 8 and select_config(1, 1024, 4096, in_graph=False) == dataclasses.replace(in_graph, split_k=1)
+    assert select_config(16, 1024, 4096, in_graph=False).split_k == 1
+    outside = configs.bucket_choices(1024, 4096, torch.int8, torch.device("cpu"), in_graph=False)
+    assert [(top, c.split_k) for top, c in outside][0] == (16, 1)  # the two decode buckets: one config
+    tuned = Config(16, 32, 256, split_k=4)
+    (table_dir / "sm90.json").write_text(json.dumps({"shapes": {"int8,M<=1,1024,4096": {"config": tuned.as_dict()},
+                                                                "int8,M<=64,1024,4096": {"config": tuned.as_dict()}},
+                                                     "defaults": {}}))
+    assert configs._config(configs.m_bucket(1), 1024, 4096, "int8", "sm90", 132, False).split_k == 1
+    assert configs._config(configs.m_bucket(64), 1024, 4096, "int8", "sm90", 132, False) == tuned
+
+
+def test_launch_knows_when_it_is_inside_a_cuda_graph(monkeypatch):
+    """Eagerly: a stream capture (none on the CPU); traced: Inductor's cudagraphs option."""
+    from torch._inductor import config as inductor_config
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = []
+    for name in ("select_config", "bucket_choices"):
+        real = getattr(launch, name)
+        monkeypatch.setattr(launch, name, lambda *a, real=real, name=name: seen.append((name, a[-1])) or real(*a))
+    p = make_problem(1, 64, 256)
+    run = lambda *t: launch_scaled_mm(*t, torch.float32)  # noqa: E731
+    run(p.a, p.b, p.scale_a, p.scale_b)
+    for cudagraphs in (False, True):
+        with inductor_config.patch({"triton.cudagraphs": cudagraphs}):
+            for mode in ("fake", "symbolic"):
+                make_fx(run, tracing_mode=mode)(p.a, p.b, p.scale_a, p.scale_b)
+    assert seen == [("select_config", False), ("select_config", False), ("bucket_choices", False),
+                    ("select_config", True), ("bucket_choices", True)]
 
 
 def test_config_buckets():
