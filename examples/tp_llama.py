@@ -8,8 +8,9 @@ static KV cache), quantizes every linear with the plain-PyTorch W8A8 linears of
 wv, w1, w3 and the output head, row-wise wo and w2, as torchtitan does), compiles it with
 ``backend="fusepass"``, and reports per rank how many quantized linears fused, the error
 against the same model on one process and against the unquantized model, and the prefill and
-decode times (on a CPU, labelled CPU timings). Exits non-zero where the sharded model breaks
-the numerics policy (``Result.ok``). ``--help`` lists the flags.
+decode times against the unquantized model sharded the same way with PyTorch's own styles and
+compiled by stock ``torch.compile`` (on a CPU, labelled CPU timings). Exits non-zero where the
+sharded model breaks the numerics policy (``Result.ok``). ``--help`` lists the flags.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fusepass
 from fusepass.demo.handwritten import quantize
@@ -147,22 +148,23 @@ def build(c: Config, quant: str | None, dtype, device, seed: int = 0) -> Transfo
     return model if quant is None else quantize(model, quant)
 
 
-def tp_plan(model: Transformer) -> dict:
+def tp_plan(model: Transformer, quantized: bool = True) -> dict:
     """torchtitan's plan: column-wise into a block's attention and feed-forward, row-wise out
-    of them (one all-reduce each); the output head column-wise, gathered."""
-    plan = {"output": QuantColwiseParallel(output_layouts=Replicate())}
+    of them (one all-reduce each); the output head column-wise, gathered. fusepass's styles
+    for the quantized linears, PyTorch's own for the unquantized model."""
+    colwise, rowwise = (QuantColwiseParallel, QuantRowwiseParallel) if quantized else (ColwiseParallel, RowwiseParallel)
+    plan = {"output": colwise(output_layouts=Replicate())}
     for i in range(len(model.layers)):
-        plan |= {f"layers.{i}.attention.{n}": QuantColwiseParallel() for n in ("wq", "wk", "wv")}
-        plan |= {f"layers.{i}.feed_forward.{n}": QuantColwiseParallel() for n in ("w1", "w3")}
-        plan |= {f"layers.{i}.attention.wo": QuantRowwiseParallel(),
-                 f"layers.{i}.feed_forward.w2": QuantRowwiseParallel()}
+        plan |= {f"layers.{i}.attention.{n}": colwise() for n in ("wq", "wk", "wv")}
+        plan |= {f"layers.{i}.feed_forward.{n}": colwise() for n in ("w1", "w3")}
+        plan |= {f"layers.{i}.attention.wo": rowwise(), f"layers.{i}.feed_forward.w2": rowwise()}
     return plan
 
 
-def shard(model: Transformer, mesh, batch: int) -> Transformer:
+def shard(model: Transformer, mesh, batch: int, quantized: bool = True) -> Transformer:
     # src_data_rank=None: every rank built the same model, so each takes its shard locally
     # (no scatter from rank 0).
-    model = parallelize_module(model, mesh, tp_plan(model), src_data_rank=None)
+    model = parallelize_module(model, mesh, tp_plan(model, quantized), src_data_rank=None)
     model.setup_cache(batch, mesh.size())
     return model
 
@@ -197,6 +199,15 @@ def timed(fn, device, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_steps(compiled, prompt, reps: int) -> tuple[float, float]:
+    """(prefill, decode step) median ms of a compiled model: the prompt, then one token at the
+    position after it (its cache slot is the one generate() leaves free)."""
+    S, device = prompt.shape[1], prompt.device
+    prefill = timed(lambda: compiled(prompt, torch.arange(S, device=device)), device, reps)
+    step = torch.tensor([S], device=device)
+    return prefill, timed(lambda: compiled(prompt[:, :1], step), device, reps * 4)
+
+
 @dataclass
 class Result:
     """One rank's outcome."""
@@ -208,8 +219,7 @@ class Result:
     err_float: tuple  # (1-process, tensor-parallel) relative error vs the unquantized model
     agree: int  # decode steps whose token the 1-process model picks too, given the same prefix
     compile_s: float
-    prefill_ms: float | None = None
-    decode_ms: float | None = None
+    times: dict | None = None  # {"fusepass": (prefill ms, decode ms), "unquantized": (...)}
 
     @property
     def ok(self) -> bool:
@@ -220,14 +230,15 @@ class Result:
         return tp <= single * 1.05 + 1e-6
 
 
-def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype) -> Result:
-    """Build, shard, compile and check the model on this rank (the group is up)."""
+def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, mode: str | None = None) -> Result:
+    """Build, shard, compile and check the model on this rank (the group is up); with
+    ``reps``, time it and the unquantized model, both compiled in ``mode``."""
     device, (B, S) = prompt.device, prompt.shape
     pos = torch.arange(S, device=device)
     with torch.no_grad():
         model = shard(build(c, quant, dtype, device), mesh, B)
         torch._dynamo.utils.counters["fusepass"].clear()
-        compiled = torch.compile(model, backend="fusepass")
+        compiled = torch.compile(model, backend="fusepass", mode=mode)
         t = time.perf_counter()
         logits, tokens = generate(compiled, prompt, new_tokens)
         compile_s = time.perf_counter() - t
@@ -252,9 +263,9 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype) 
             compile_s=compile_s,
         )
         if reps:
-            result.prefill_ms = timed(lambda: compiled(prompt, pos), device, reps)
-            step = torch.tensor([S], device=device)
-            result.decode_ms = timed(lambda: compiled(prompt[:, :1], step), device, reps * 4)
+            baseline = torch.compile(shard(build(c, None, dtype, device), mesh, B, quantized=False), mode=mode)
+            result.times = {"fusepass": time_steps(compiled, prompt, reps),
+                            "unquantized": time_steps(baseline, prompt, reps)}
     return result
 
 
@@ -268,10 +279,15 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--ffn", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--reps", type=int, default=5, help="timed calls (median; decode: 4x as many); 0: no timing")
+    p.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
+                   help="torch.compile mode of both timed models (reduce-overhead: CUDA graphs)")
     args = p.parse_args(argv)
     if args.dim % 16 or args.ffn % 16:
         p.error("--dim and --ffn must be multiples of 16 (so that each rank's slice keeps int8 matmuls aligned)")
@@ -284,14 +300,17 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
         torch.cuda.set_device(device)
-    if Config.kv_heads % world:
-        raise SystemExit(f"{world} ranks: the model's {Config.kv_heads} kv heads must divide among them")
+    if args.kv_heads % world or args.heads % args.kv_heads or args.dim % args.heads:
+        raise SystemExit(f"{world} ranks, {args.heads} heads, {args.kv_heads} kv heads, dim {args.dim}: the kv heads "
+                         "must divide among the ranks, the heads among the kv heads, and dim among the heads")
     mesh = init_device_mesh(device.type, (world,))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     # (one position more than generated: the decode timing runs a step at position prompt_len)
-    c = Config(dim=args.dim, layers=args.layers, ffn=args.ffn, max_len=args.prompt_len + max(args.new_tokens, 1))
+    c = Config(dim=args.dim, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, ffn=args.ffn,
+               vocab=args.vocab, max_len=args.prompt_len + max(args.new_tokens, 1))
     prompt = torch.randint(0, c.vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(1))
-    r = run(mesh, c, args.quant, prompt.to(device), args.new_tokens, args.reps, dtype)
+    mode = None if args.mode == "default" else args.mode
+    r = run(mesh, c, args.quant, prompt.to(device), args.new_tokens, args.reps, dtype, mode)
 
     lines = [
         f"{args.quant} W8A8, {str(dtype).replace('torch.', '')} activations, {c.layers} layers: {r.linears} "
@@ -303,10 +322,16 @@ def main(argv=None) -> None:
         f"{r.err_float[1]:.3e} (1 process: {r.err_float[0]:.3e}) -> {'OK' if r.ok else 'FAIL'}; greedy decode: "
         f"{r.agree} of {args.new_tokens} tokens the 1-process model's",
     ]
-    if r.prefill_ms is not None:
+    if r.times is not None:
         label = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)
-        lines.append(f"{label} timings, median: prefill {args.batch}x{args.prompt_len} tokens {r.prefill_ms:.2f} ms; "
-                     f"decode step {r.decode_ms:.2f} ms ({args.batch * 1e3 / r.decode_ms:.0f} tokens/s)")
+        lines.append(f"{label} timings, torch.compile {args.mode} mode, median: prefill {args.batch}x{args.prompt_len} "
+                     "tokens / decode step")
+        for name, (prefill, decode) in r.times.items():
+            what = (f"W8A8 {args.quant}, fusepass" if name == "fusepass"
+                    else f"unquantized {str(dtype).replace('torch.', '')}, stock torch.compile")
+            lines.append(f"  {what}: {prefill:.2f} ms / {decode:.2f} ms ({args.batch * 1e3 / decode:.0f} tokens/s)")
+        (fp, fd), (bp, bd) = r.times["fusepass"], r.times["unquantized"]
+        lines.append(f"  fusepass speedup: prefill {bp / fp:.2f}x, decode {bd / fd:.2f}x")
     for i in range(world):  # one rank at a time, in order
         if i == rank:
             print("\n".join(f"[rank {rank}] {line}" for line in lines), flush=True)

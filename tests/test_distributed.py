@@ -366,6 +366,22 @@ def test_sharded_model_fuses_every_linear_on_each_rank(ranks, quant, step):
         assert err < 1e-6, f"rank {rank}: relative error {err:.3g} vs the 1-process model"
 
 
+def _unquantized_sharded():
+    """The example's baseline: the unquantized model under PyTorch's own styles, eagerly."""
+    from examples.tp_llama import build, rel_err, shard
+
+    with torch.no_grad():
+        single = build(_config(), None, torch.float32, "cpu")
+        single.setup_cache(1)
+        model = shard(build(_config(), None, torch.float32, "cpu"), _mesh(), 1, quantized=False)
+        return {step: rel_err(model(*args), single(*args)) for step, args in STEPS.items()}
+
+
+def test_example_baseline_shards_the_unquantized_model(ranks):
+    for rank, errs in enumerate(ranks.run(_unquantized_sharded)):
+        assert all(e < 1e-6 for e in errs.values()), f"rank {rank}: {errs}"
+
+
 def _example(quant: str):
     from examples.tp_llama import run
 
