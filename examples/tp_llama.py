@@ -169,14 +169,22 @@ def shard(model: Transformer, mesh, batch: int, quantized: bool = True) -> Trans
     return model
 
 
+def step(model, tokens, pos):
+    """One call of a compiled model. A new step for CUDA graphs (mode="reduce-overhead"; a
+    no-op otherwise): a replay overwrites the outputs of the last one, so callers copy what
+    they keep."""
+    torch.compiler.cudagraph_mark_step_begin()
+    return model(tokens, pos)
+
+
 def generate(model, prompt, new_tokens: int):
     """Greedy: the prefill logits, and the tokens of ``new_tokens`` decode steps."""
     S, device = prompt.shape[1], prompt.device
-    logits = model(prompt, torch.arange(S, device=device))
+    logits = step(model, prompt, torch.arange(S, device=device)).clone()
     tok, out = logits[:, -1:].argmax(-1), []
     for i in range(new_tokens):
         out.append(tok)
-        tok = model(tok, torch.tensor([S + i], device=device))[:, -1:].argmax(-1)
+        tok = step(model, tok, torch.tensor([S + i], device=device))[:, -1:].argmax(-1)
     return logits, torch.cat(out, 1) if out else prompt[:, :0]
 
 
@@ -203,9 +211,10 @@ def time_steps(compiled, prompt, reps: int) -> tuple[float, float]:
     """(prefill, decode step) median ms of a compiled model: the prompt, then one token at the
     position after it (its cache slot is the one generate() leaves free)."""
     S, device = prompt.shape[1], prompt.device
-    prefill = timed(lambda: compiled(prompt, torch.arange(S, device=device)), device, reps)
-    step = torch.tensor([S], device=device)
-    return prefill, timed(lambda: compiled(prompt[:, :1], step), device, reps * 4)
+    pos = torch.arange(S, device=device)
+    prefill = timed(lambda: step(compiled, prompt, pos), device, reps)
+    at = torch.tensor([S], device=device)
+    return prefill, timed(lambda: step(compiled, prompt[:, :1], at), device, reps * 4)
 
 
 @dataclass
@@ -238,7 +247,9 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
     with torch.no_grad():
         model = shard(build(c, quant, dtype, device), mesh, B)
         torch._dynamo.utils.counters["fusepass"].clear()
-        compiled = torch.compile(model, backend="fusepass", mode=mode)
+        # dynamic=False for both timed models: Dynamo's automatic dynamic shapes are kept per
+        # code object, which they share (a symbolic prompt length would reach only the second).
+        compiled = torch.compile(model, backend="fusepass", mode=mode, dynamic=False)
         t = time.perf_counter()
         logits, tokens = generate(compiled, prompt, new_tokens)
         compile_s = time.perf_counter() - t
@@ -263,7 +274,8 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
             compile_s=compile_s,
         )
         if reps:
-            baseline = torch.compile(shard(build(c, None, dtype, device), mesh, B, quantized=False), mode=mode)
+            baseline = torch.compile(shard(build(c, None, dtype, device), mesh, B, quantized=False), mode=mode,
+                                     dynamic=False)
             result.times = {"fusepass": time_steps(compiled, prompt, reps),
                             "unquantized": time_steps(baseline, prompt, reps)}
     return result

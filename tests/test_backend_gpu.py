@@ -99,19 +99,26 @@ def test_decode_splits_k_only_in_cuda_graphs():
     """A decode launch splits K (one more buffer, int32 tile counters, and Inductor's fill of
     them) inside CUDA graphs only: outside, the fill is a launch a host-bound step pays for
     (benchmarks/NOTES.md, run 9). Both projections split at M = 1 in the sm90 table."""
+    import fusepass
+    from fusepass.passes import PassConfig
+
     model, exact = MLP(4096, 1024, torch.float8_e4m3fn).cuda().eval(), MLP(4096, 1024, None).cuda().eval()
     x = torch.randn(1, 1, 4096, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
 
-    def counter_buffers(mode):
+    def counter_buffers(**compile_kwargs):
         torch._dynamo.reset()
         with torch.no_grad():
-            out, (code, *_) = run_and_get_code(torch.compile(model, backend="fusepass", mode=mode), x)
+            out, (code, *_) = run_and_get_code(torch.compile(model, **compile_kwargs), x)
             _check(out.clone(), model(x), exact(x.double()))
         return [line for line in code.splitlines() if "empty_strided_cuda(" in line and "torch.int32" in line]
 
-    assert counter_buffers(None) == []
-    assert counter_buffers("reduce-overhead")  # (Inductor may reuse one projection's for the other)
-    assert counters["fusepass"] == {"scaled_mm_fp8_epilogue": 4}
+    assert counter_buffers(backend="fusepass") == []
+    # (Inductor may reuse one projection's counters for the other)
+    assert counter_buffers(backend="fusepass", mode="reduce-overhead")
+    # a caller that captures the compiled code itself asks for the split
+    outside = fusepass.inductor_options(config=PassConfig(split_k_outside_cuda_graphs=True))
+    assert counter_buffers(options=outside)
+    assert counters["fusepass"] == {"scaled_mm_fp8_epilogue": 6}
 
 
 def test_torchao_int8_dynamic_on_gpu():

@@ -22,7 +22,7 @@ from torch.library import wrap_triton
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
 from .configs import Config, decode_unsplit, fit, merge_buckets, sm_count
-from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, in_cuda_graph, new_output,
+from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, decode_splits, new_output,
                      on_device, split_k_buffers)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
@@ -43,7 +43,7 @@ CONFIGS = (
 
 
 @functools.lru_cache(maxsize=4096)  # on the eager launch path, as configs._config
-def _fitted(row: tuple, N: int, K: int, sms: int, in_graph: bool = True) -> Config:
+def _fitted(row: tuple, N: int, K: int, sms: int, split_decode: bool = True) -> Config:
     """The row's config fitted to N and K, with its split-K for ``sms`` SMs (see CONFIGS;
     decode buckets split only inside a CUDA graph: ``configs.decode_unsplit``)."""
     top, cfg, per_sm, most = row
@@ -52,7 +52,7 @@ def _fitted(row: tuple, N: int, K: int, sms: int, in_graph: bool = True) -> Conf
     if top is not None and most > 1:
         tiles = triton.cdiv(top, cfg.block_m) * triton.cdiv(N, cfg.block_n)
         split = max(1, min(most, triton.cdiv(K, BLOCK), round(per_sm * sms / tiles)))
-    return decode_unsplit(replace(cfg, split_k=split), top, in_graph)
+    return decode_unsplit(replace(cfg, split_k=split), top, split_decode)
 
 
 def check_config(cfg: Config) -> None:
@@ -69,18 +69,19 @@ def check_config(cfg: Config) -> None:
         raise ValueError(f"block-wise config: split_k must be >= 1; got {cfg.split_k}")
 
 
-def select_config(M: int, N: int, K: int, device=None, in_graph: bool = True) -> Config:
-    """The config of M's bucket, fitted to N and K, with its split-K (``in_graph``: launched
-    inside a CUDA graph)."""
+def select_config(M: int, N: int, K: int, device=None, split_decode: bool = True) -> Config:
+    """The config of M's bucket, fitted to N and K, with its split-K (at a decode bucket only
+    where ``split_decode``: ``configs.decode_unsplit``)."""
     row = next(row for row in CONFIGS if row[0] is None or M <= row[0])
-    return _fitted(row, N, K, sm_count(device), in_graph)
+    return _fitted(row, N, K, sm_count(device), split_decode)
 
 
-def bucket_choices(N, K, device=None, in_graph: bool = True) -> list:
+def bucket_choices(N, K, device=None, split_decode: bool = True) -> list:
     """``[(top, Config)]`` of every bucket, fitted where N and K are numbers, adjacent buckets
-    with the same config merged (``_by_m``'s input: one ``cond`` branch per distinct config)."""
+    with the same config merged (``_by_m``'s input: one ``cond`` branch per distinct config);
+    ``split_decode`` as in ``select_config``."""
     concrete, sms = is_concrete_int(N) and is_concrete_int(K), sm_count(device)
-    return merge_buckets((row[0], _fitted(row, int(N), int(K), sms, in_graph) if concrete else row[1])
+    return merge_buckets((row[0], _fitted(row, int(N), int(K), sms, split_decode) if concrete else row[1])
                          for row in CONFIGS)
 
 
@@ -136,17 +137,17 @@ def launch_scaled_mm_blockwise(
         return torch.empty((M, N), dtype=out_dtype, device=a.device)
     fake = _traced(a)
     bias = _flat(bias, fake)
-    in_graph = config is None and in_cuda_graph(a, fake)
     if config is not None:
         check_config(config)
     elif all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        config = select_config(int(M), int(N), int(K), a.device, in_graph)
+        config = select_config(int(M), int(N), int(K), a.device, decode_splits(fake, symbolic=False))
     tensors = (a, b, scale_a, scale_b) + ((bias,) if bias is not None else ())
     if config is not None:
         def launch():
             return _run(config, out_dtype, *tensors)
     else:  # a symbolic size: the config of M's bucket, picked at run time
+        choices = bucket_choices(N, K, a.device, decode_splits(fake, symbolic=True))
+
         def launch():
-            return _by_m(bucket_choices(N, K, a.device, in_graph), lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors,
-                         GRAPH_SYMBOLS.get())
+            return _by_m(choices, lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors, GRAPH_SYMBOLS.get())
     return on_device(a, fake, launch)

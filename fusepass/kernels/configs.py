@@ -4,8 +4,8 @@
 ``benchmarks/tune.py``) by (dtype, M bucket, N, K); an unseen (N, K) takes the bucket's
 tuned default (the config with the best geomean over the tuned shapes), and an
 architecture without a table takes the built-in defaults below; either way a decode
-bucket then splits K to fill the GPU (``derive_split``), where launches are hidden in a CUDA
-graph (``decode_unsplit``). ``bucket_choices`` gives every bucket's config for one
+bucket then splits K to fill the GPU (``derive_split``). A tuned or derived decode split is
+dropped for compiled code outside CUDA graphs (``decode_unsplit``). ``bucket_choices`` gives every bucket's config for one
 (N, K), for a launch whose M is only known at run time. Nothing is timed at run time, so the
 ops stay cheap to call and capture into CUDA graphs.
 """
@@ -132,32 +132,33 @@ def _sm_count(index: int) -> int:
 
 
 def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.int8, device=None, azp: bool = False,
-                  in_graph: bool = True) -> Config:
+                  split_decode: bool = True) -> Config:
     """The launch configuration for one (M, N, K) problem of ``dtype`` on ``device``;
-    ``in_graph``: launched inside a CUDA graph (see ``decode_unsplit``)."""
+    ``split_decode=False``: a decode launch runs unsplit (see ``decode_unsplit``)."""
     arch = device_arch(device) if device is not None else None
-    return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch, sm_count(device), in_graph)
+    return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch, sm_count(device), split_decode)
 
 
-def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False, in_graph: bool = True) -> list:
+def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False, split_decode: bool = True) -> list:
     """``[(top, Config)]`` for every M bucket (``top`` its upper bound, None for the last),
     adjacent buckets with the same config merged. A symbolic N or K (a weight traced with
-    dynamic shapes) takes the buckets' defaults, unshrunk."""
+    dynamic shapes) takes the buckets' defaults, unshrunk. ``split_decode`` as in ``select_config``."""
     N, K = (int(v) if is_concrete_int(v) else None for v in (N, K))
     arch, sms = device_arch(device), sm_count(device)
-    return merge_buckets((top, _config(bucket, N, K, dtype_name(dtype, azp), arch, sms, in_graph))
+    return merge_buckets((top, _config(bucket, N, K, dtype_name(dtype, azp), arch, sms, split_decode))
                          for bucket, top in enumerate(M_BUCKETS))
 
 
-def decode_unsplit(cfg: Config, top: int | None, in_graph: bool) -> Config:
-    """``cfg`` unsplit at a decode bucket (M <= ``top``) launched outside a CUDA graph."""
-    # A split launch needs its per-tile counters zeroed first: one more launch (a memset
-    # eagerly, a fill kernel of Inductor's in compiled code). Outside CUDA graphs a decode step
-    # is host-bound, and pays for that launch with host time, while the GPU time the split
-    # saves is time the step does not wait for. 4 Llama-3-8B layers, int8, batch 1, default
+def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
+    """``cfg`` unsplit at a decode bucket (M <= ``top``) unless ``split_decode``: False for
+    compiled code that runs outside CUDA graphs (``launch.decode_splits``)."""
+    # A split launch needs its per-tile counters zeroed first: in compiled code one more
+    # launch, a fill kernel of Inductor's. Outside CUDA graphs a decode step is host-bound,
+    # and pays for that launch with host time, while the GPU time the split saves is time the
+    # step does not wait for. 4 Llama-3-8B layers, int8, batch 1, default
     # torch.compile, H200 (benchmarks/NOTES.md, run 9): split, 132 kernels a step, 0.52 ms of
     # GPU work, 1.24-1.49x bf16's step time; unsplit, 104 kernels, 0.62 ms, 0.93-1.19x.
-    if in_graph or top is None or top > DERIVED_SPLIT_MAX_M:
+    if split_decode or top is None or top > DERIVED_SPLIT_MAX_M:
         return cfg
     return replace(cfg, split_k=1)
 
@@ -176,7 +177,7 @@ def merge_buckets(choices) -> list:
 
 @functools.lru_cache(maxsize=4096)  # on the eager launch path: 6 us uncached, 0.3 us cached
 def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | None, sms: int = DEFAULT_SMS,
-            in_graph: bool = True) -> Config:
+            split_decode: bool = True) -> Config:
     cfg, tuned = BUILTIN[bucket], False
     if arch is not None:
         table = load_table(arch)
@@ -192,7 +193,7 @@ def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | N
     if N is not None and K is not None:
         cfg = fit(cfg, N, K)
         cfg = cfg if tuned else derive_split(cfg, bucket, N, K, sms)
-    return decode_unsplit(cfg, M_BUCKETS[bucket], in_graph)
+    return decode_unsplit(cfg, M_BUCKETS[bucket], split_decode)
 
 
 def derive_split(cfg: Config, bucket: int, N: int, K: int, sms: int) -> Config:

@@ -100,16 +100,21 @@ def on_device(a: torch.Tensor, fake: bool, launch):
     return launch()
 
 
-def in_cuda_graph(a: torch.Tensor, fake: bool) -> bool:
-    """Whether this launch will run inside a CUDA graph, where its host time is hidden (the
-    configs' ``in_graph``). Traced: Inductor's ``triton.cudagraphs`` option while it lowers
-    (``mode="reduce-overhead"`` or ``"max-autotune"``; part of its FX-graph-cache key).
-    Eagerly: a stream capture in progress (a ``torch.cuda.graph`` of the user's, or a bench's)."""
-    if fake:
-        from torch._inductor import config
+def decode_splits(fake: bool, symbolic: bool) -> bool:
+    """Whether a decode launch may split K (the configs' ``split_decode``).
 
-        return bool(config.triton.cudagraphs)
-    return a.is_cuda and torch.cuda.is_current_stream_capturing()
+    Eagerly: yes. A warm-up outside a stream capture must compile the kernel the capture
+    then launches (a Triton compile inside a capture can fail), and the counters' zeroing is
+    a memset there. Traced: where its launches are hidden in a CUDA graph, known as Inductor
+    lowers: its ``triton.cudagraphs`` option (``mode="reduce-overhead"`` or
+    ``"max-autotune"``; part of the FX-graph-cache key), or ``SPLIT_OUTSIDE_GRAPHS`` for code
+    that someone else captures. Not for a symbolic M (``symbolic``): its ``cond`` is control
+    flow, which Inductor keeps out of its CUDA graphs (torch 2.13's graph partition)."""
+    if not fake or SPLIT_OUTSIDE_GRAPHS.get():
+        return True
+    from torch._inductor import config
+
+    return bool(config.triton.cudagraphs) and not symbolic
 
 
 def _per_element(v: torch.Tensor | None) -> bool:
@@ -163,6 +168,10 @@ def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device):
     return (torch.empty((split_k, M, N), dtype=acc_dtype, device=device),
             torch.zeros((tiles,), dtype=torch.int32, device=device))
 
+
+# PassConfig.split_k_outside_cuda_graphs of the pass lowering an op (fusepass.passes.lower):
+# the compiled code is captured into CUDA graphs by its caller (see decode_splits).
+SPLIT_OUTSIDE_GRAPHS: ContextVar[bool] = ContextVar("fusepass_split_outside_graphs", default=False)
 
 # The size symbols of the graph being lowered (SymInts), set by fusepass.passes.lower while
 # it traces an op. Each cond takes them as operands: Inductor compiles its branches as
@@ -227,14 +236,15 @@ def launch_scaled_mm(
         RAW_ACC=out_dtype in ACC_DTYPES,
     )
     M, K = a.shape
-    in_graph = config is None and in_cuda_graph(a, fake)
     if config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, in_graph)
+        split = decode_splits(fake, symbolic=False)
+        config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split)
     if config is not None:
         def launch():
             return _run(config, flags, out_dtype, a, b, scale_a, scale_b, bias, azp_adj, azp)
     else:  # a symbolic size: the config of M's bucket, picked at run time
-        choices = bucket_choices(N, K, a.dtype, a.device, azp_adj is not None, in_graph)
+        split = decode_splits(fake, symbolic=True)
+        choices = bucket_choices(N, K, a.dtype, a.device, azp_adj is not None, split)
         # cond takes tensors only: the None arguments stay in the closure, by position.
         args = (a, b, scale_a, scale_b, bias, azp_adj, azp)
         present = [i for i, t in enumerate(args) if t is not None]

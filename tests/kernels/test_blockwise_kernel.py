@@ -106,11 +106,11 @@ def test_split_k_fills_the_gpu(M, N, K, split):
     assert select_config(M, N, K).split_k == split
 
 
-def test_decode_splits_only_inside_cuda_graphs():
-    # as configs.decode_unsplit: M <= 16 unsplit outside a CUDA graph, larger M keeps its split
-    assert [select_config(M, 4096, 14336, in_graph=False).split_k for M in (1, 16, 64)] == [1, 1, 4]
-    assert select_config(16, 4096, 14336, in_graph=False) == replace(select_config(16, 4096, 14336), split_k=1)
-    assert [c.split_k for _, c in bl.bucket_choices(4096, 14336, in_graph=False)][:3] == [1, 1, 4]
+def test_decode_splits_only_where_launches_are_hidden():
+    # as configs.decode_unsplit: M <= 16 unsplit for compiled code outside CUDA graphs, larger M keeps its split
+    assert [select_config(M, 4096, 14336, split_decode=False).split_k for M in (1, 16, 64)] == [1, 1, 4]
+    assert select_config(16, 4096, 14336, split_decode=False) == replace(select_config(16, 4096, 14336), split_k=1)
+    assert [c.split_k for _, c in bl.bucket_choices(4096, 14336, split_decode=False)][:3] == [1, 1, 4]
 
 
 def test_bucket_choices_merge_equal_configs(monkeypatch):

@@ -224,13 +224,13 @@ def test_config_split_follows_the_device_sm_count(table_dir, monkeypatch):
     assert configs.bucket_choices(4096, 4096, torch.int8, device)[0][1].split_k == 1
 
 
-def test_decode_splits_only_inside_cuda_graphs(table_dir):
-    # Outside a CUDA graph the counters' fill is one more launch a host-bound decode step pays
-    # for (benchmarks/NOTES.md, run 9); a larger M keeps its split.
-    in_graph = select_config(1, 1024, 4096)
-    assert in_graph.split_k == 8 and select_config(1, 1024, 4096, in_graph=False) == dataclasses.replace(in_graph, split_k=1)
-    assert select_config(16, 1024, 4096, in_graph=False).split_k == 1
-    outside = configs.bucket_choices(1024, 4096, torch.int8, torch.device("cpu"), in_graph=False)
+def test_decode_splits_only_where_launches_are_hidden(table_dir):
+    # Compiled code outside a CUDA graph drops the split: the counters' fill is one more
+    # launch a host-bound decode step pays for (benchmarks/NOTES.md, run 9); a larger M keeps it.
+    split = select_config(1, 1024, 4096)
+    assert split.split_k == 8 and select_config(1, 1024, 4096, split_decode=False) == dataclasses.replace(split, split_k=1)
+    assert select_config(16, 1024, 4096, split_decode=False).split_k == 1
+    outside = configs.bucket_choices(1024, 4096, torch.int8, torch.device("cpu"), split_decode=False)
     assert [(top, c.split_k) for top, c in outside][0] == (16, 1)  # the two decode buckets: one config
     tuned = Config(16, 32, 256, split_k=4)
     (table_dir / "sm90.json").write_text(json.dumps({"shapes": {"int8,M<=1,1024,4096": {"config": tuned.as_dict()},
@@ -240,8 +240,10 @@ def test_decode_splits_only_inside_cuda_graphs(table_dir):
     assert configs._config(configs.m_bucket(64), 1024, 4096, "int8", "sm90", 132, False) == tuned
 
 
-def test_launch_knows_when_it_is_inside_a_cuda_graph(monkeypatch):
-    """Eagerly: a stream capture (none on the CPU); traced: Inductor's cudagraphs option."""
+@pytest.mark.parametrize("outside", [False, True], ids=["inductor", "split_k_outside_cuda_graphs"])
+def test_launch_splits_decode_where_launches_are_hidden(monkeypatch, outside):
+    """Eagerly always; traced, with Inductor's cudagraphs option (or the pass's override),
+    and never for a symbolic M (its cond is kept out of CUDA graphs)."""
     from torch._inductor import config as inductor_config
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -252,12 +254,16 @@ def test_launch_knows_when_it_is_inside_a_cuda_graph(monkeypatch):
     p = make_problem(1, 64, 256)
     run = lambda *t: launch_scaled_mm(*t, torch.float32)  # noqa: E731
     run(p.a, p.b, p.scale_a, p.scale_b)
-    for cudagraphs in (False, True):
-        with inductor_config.patch({"triton.cudagraphs": cudagraphs}):
-            for mode in ("fake", "symbolic"):
-                make_fx(run, tracing_mode=mode)(p.a, p.b, p.scale_a, p.scale_b)
-    assert seen == [("select_config", False), ("select_config", False), ("bucket_choices", False),
-                    ("select_config", True), ("bucket_choices", True)]
+    token = launch.SPLIT_OUTSIDE_GRAPHS.set(outside)
+    try:
+        for cudagraphs in (False, True):
+            with inductor_config.patch({"triton.cudagraphs": cudagraphs}):
+                for mode in ("fake", "symbolic"):
+                    make_fx(run, tracing_mode=mode)(p.a, p.b, p.scale_a, p.scale_b)
+    finally:
+        launch.SPLIT_OUTSIDE_GRAPHS.reset(token)
+    assert seen == [("select_config", True), ("select_config", outside), ("bucket_choices", outside),
+                    ("select_config", True), ("bucket_choices", outside)]
 
 
 def test_config_buckets():
