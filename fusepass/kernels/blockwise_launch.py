@@ -15,13 +15,12 @@ import functools
 from dataclasses import replace
 
 import torch
-import triton
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.library import wrap_triton
 
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
-from .configs import Config, decode_unsplit, fit, merge_buckets, sm_count
+from .configs import Config, cdiv, decode_unsplit, fit, merge_buckets, sm_count
 from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, decode_splits, new_output,
                      on_device, split_k_buffers)
 
@@ -50,8 +49,8 @@ def _fitted(row: tuple, N: int, K: int, sms: int, split_decode: bool = True) -> 
     cfg = fit(cfg, N, K)
     split = 1
     if top is not None and most > 1:
-        tiles = triton.cdiv(top, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-        split = max(1, min(most, triton.cdiv(K, BLOCK), round(per_sm * sms / tiles)))
+        tiles = cdiv(top, cfg.block_m) * cdiv(N, cfg.block_n)
+        split = max(1, min(most, cdiv(K, BLOCK), round(per_sm * sms / tiles)))
     return decode_unsplit(replace(cfg, split_k=split), top, split_decode)
 
 
@@ -94,7 +93,7 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
     if INTERPRETED and fake:
         return out
     wrap = wrap_triton if fake else _plain
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), cfg.split_k)
     partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, torch.float32, a.device)
     wrap(blockwise_mm_kernel)[grid](
         a, b, out,

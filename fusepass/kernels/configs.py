@@ -78,6 +78,12 @@ BUILTIN = (
 )
 
 
+def cdiv(a, b):
+    """Ceiling division of ints or SymInts. ``triton.cdiv`` is a constexpr function in Triton
+    3.9: 5.6 us a call on the host, 0.05 us this way (on the eager launch path)."""
+    return (a + b - 1) // b
+
+
 def m_bucket(M: int) -> int:
     """Index into M_BUCKETS of the bucket holding M."""
     return bisect.bisect_left(M_BUCKETS, M, hi=len(M_BUCKETS) - 1)
@@ -201,8 +207,8 @@ def derive_split(cfg: Config, bucket: int, N: int, K: int, sms: int) -> Config:
     top = M_BUCKETS[bucket]
     if top is None or top > DERIVED_SPLIT_MAX_M:
         return cfg
-    tiles = triton.cdiv(top, cfg.block_m) * triton.cdiv(N, cfg.block_n)
-    most = min(MOST_SPLITS, triton.cdiv(K, cfg.block_k))
+    tiles = cdiv(top, cfg.block_m) * cdiv(N, cfg.block_n)
+    most = min(MOST_SPLITS, cdiv(K, cfg.block_k))
     split = 1
     while split * 2 <= most and tiles * split * 2 <= DECODE_PROGRAMS_PER_SM * sms:
         split *= 2
@@ -219,5 +225,5 @@ def fit(cfg: Config, N: int, K: int) -> Config:
     # tl.dot needs every block dim >= 16 (>= 32 along K for 8-bit inputs).
     block_n = min(cfg.block_n, max(16, triton.next_power_of_2(N)))
     block_k = min(cfg.block_k, max(32, triton.next_power_of_2(K)))
-    split_k = max(1, min(cfg.split_k, triton.cdiv(K, block_k)))
+    split_k = max(1, min(cfg.split_k, cdiv(K, block_k)))
     return replace(cfg, block_n=block_n, block_k=block_k, split_k=split_k)

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.library import wrap_triton
 
-from .configs import Config, bucket_choices, select_config
+from .configs import Config, bucket_choices, cdiv, select_config
 from .scaled_mm import scaled_mm_kernel
 
 ACC_DTYPES = (torch.int32,)  # out_dtype of fusepass.int_mm: the accumulator, no epilogue
@@ -135,7 +135,7 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
     # Inductor gets no second alias of a tensor to clone.
     vectors = (scale_a, scale_b, bias, azp_adj, azp)
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(N, cfg.block_n), cfg.split_k)
+    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), cfg.split_k)
     acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
     partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, acc_dtype, a.device)
     # Traced: a node Inductor launches. Eager: the kernel itself (wrap_triton outside a
