@@ -43,8 +43,8 @@ CONFIGS = (
 
 @functools.lru_cache(maxsize=4096)  # on the eager launch path, as configs._config
 def _fitted(row: tuple, N: int, K: int, sms: int, split_decode: bool = True) -> Config:
-    """The row's config fitted to N and K, with its split-K for ``sms`` SMs (see CONFIGS;
-    decode buckets split only inside a CUDA graph: ``configs.decode_unsplit``)."""
+    """The row's config fitted to N and K, with its split-K for ``sms`` SMs (see CONFIGS; at a
+    decode bucket only where ``split_decode``: ``configs.decode_unsplit``)."""
     top, cfg, per_sm, most = row
     cfg = fit(cfg, N, K)
     split = 1

@@ -5,9 +5,9 @@
 tuned default (the config with the best geomean over the tuned shapes), and an
 architecture without a table takes the built-in defaults below; either way a decode
 bucket then splits K to fill the GPU (``derive_split``). A tuned or derived decode split is
-dropped for compiled code outside CUDA graphs (``decode_unsplit``). ``bucket_choices`` gives every bucket's config for one
-(N, K), for a launch whose M is only known at run time. Nothing is timed at run time, so the
-ops stay cheap to call and capture into CUDA graphs.
+dropped for compiled code outside CUDA graphs (``decode_unsplit``). ``bucket_choices`` gives
+every bucket's config for one (N, K), for a launch whose M is only known at run time.
+Nothing is timed at run time, so the ops stay cheap to call and capture into CUDA graphs.
 """
 
 from __future__ import annotations
