@@ -1,0 +1,193 @@
+"""A decode step outside CUDA graphs, taken apart: wall time, CUDA kernels and GPU time per step.
+
+    python benchmarks/bench_decode_step.py                    # 4 Llama-3-8B layers, batch 1
+    python benchmarks/bench_decode_step.py --batch 16 --variants bf16,int8-handwritten
+    python benchmarks/bench_decode_step.py --split-outside-graphs   # fusepass rows split K (run 8)
+
+Default ``torch.compile`` runs a decode step launch by launch, so the step is bound by the host
+when the GPU work is short, and a fused model wins only if it also launches no more kernels
+(``benchmarks/NOTES.md``, runs 8 and 9). Each variant is the demo's random transformers
+``LlamaForCausalLM`` (``fusepass/demo/models.py``), quantized by torchao or by hand, compiled
+with ``dynamic=False`` in default mode, and called on one decode step with a static KV cache
+(reset before each step). The variants are timed in ``--rounds`` alternated rounds (median of
+``--steps`` steps after 3, ``perf_counter`` around the step and a synchronize), so the host's
+drift reaches every variant alike. On CUDA, ``torch.profiler`` then counts the CUDA kernels of
+5 steps, by family, and their GPU time. Writes ``results/<gpu>-<date>-decode-step.json``.
+
+``--split-outside-graphs`` compiles the fusepass variants with
+``PassConfig(split_k_outside_cuda_graphs=True)``, the decode split-K that compiled code outside
+CUDA graphs dropped in run 9. Run it as its own process against a default one: Dynamo may reuse
+a compiled graph for a second model of the same class and backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from collections import Counter
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fusepass  # noqa: E402
+from fusepass.demo import models  # noqa: E402
+
+# (quantization, quantizer, fused by fusepass) of each variant; None: the bf16 model.
+VARIANTS = {
+    "bf16": (None, None, False),
+    "fp8-stock": ("fp8", "torchao", False),
+    "fp8": ("fp8", "torchao", True),
+    "int8": ("int8", "torchao", True),
+    "int8-handwritten": ("int8", "handwritten", True),
+}
+CUDA_SIZES = models.Sizes(4, 4096, 14336, 32, 8, 32000)  # Llama-3-8B layers, the demo's CUDA default
+CPU_SIZES = models.Sizes(1, 256, 512, 4, 2, 1024)  # a smoke run: CPU timings say nothing of a GPU's
+MAX_LEN = 64
+
+
+def kernel_family(name: str) -> str:
+    """The family of a CUDA kernel, by its name."""
+    if any(k in name for k in ("scaled_mm_kernel", "blockwise_mm_kernel", "nvjet", "gemm", "cutlass")):
+        return "gemm"
+    if any(k in name for k in ("attention", "sdpa", "flash")):
+        return "attention"
+    if "amax" in name or "clamp" in name:
+        return "quant (amax/clamp)"
+    if "zeros" in name or "fill" in name or "memset" in name.lower() or "vectorized_elementwise" in name:
+        return "zeros/fill"
+    return "other"
+
+
+def compile_variant(model, fused: bool, split_outside_graphs: bool):
+    if not fused:
+        return torch.compile(model, dynamic=False)
+    if split_outside_graphs:
+        config = fusepass.PassConfig(split_k_outside_cuda_graphs=True)
+        return torch.compile(model, dynamic=False, options=fusepass.inductor_options(config=config))
+    return torch.compile(model, backend="fusepass", dynamic=False)
+
+
+def step_ms(fn, inputs: dict, steps: int, device: torch.device) -> float:
+    """Median wall ms of a decode step after 3 warm-up ones."""
+    times = []
+    for i in range(steps + 3):
+        inputs["past_key_values"].reset()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn(**inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 3:
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def profile_step(fn, inputs: dict, steps: int = 5) -> dict:
+    """CUDA kernels per step (by family) and GPU ms per step, over ``steps`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            inputs["past_key_values"].reset()
+            fn(**inputs)
+        torch.cuda.synchronize()
+    families, gpu_us = Counter(), 0.0
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            families[kernel_family(e.key)] += e.count / steps
+            gpu_us += e.self_device_time_total / steps
+    return {"kernels": round(sum(families.values()), 1), "gpu_ms": round(gpu_us / 1e3, 3),
+            "families": {k: round(v, 1) for k, v in sorted(families.items())}}
+
+
+def run(variants: list[str], sizes: models.Sizes, batch: int, rounds: int, steps: int, device: torch.device,
+        split_outside_graphs: bool = False, log=print) -> dict:
+    """Build, compile and time ``variants``; returns the results (the JSON written)."""
+    with models.quiet_imports(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = models.random_llama(sizes, MAX_LEN, device, 0)
+        ids = models.prompt(base, batch, 1, 0)
+        calls = {}
+        for name in variants:
+            quant, quantizer, fused = VARIANTS[name]
+            model = base if quant is None else models.quantized_copy(base, quant, quantizer)
+            inputs = models.decode_inputs(ids, models.static_cache(model, batch, MAX_LEN))
+            fn = compile_variant(model, fused, split_outside_graphs)
+            t = time.perf_counter()
+            with torch.no_grad():
+                step_ms(fn, inputs, 1, device)  # compiles
+            log(f"... {name}: compiled in {time.perf_counter() - t:.1f} s")
+            calls[name] = (fn, inputs)
+    rows = {name: {"step_ms": []} for name in variants}
+    with torch.no_grad():
+        for r in range(rounds):
+            for name, (fn, inputs) in calls.items():
+                rows[name]["step_ms"].append(round(step_ms(fn, inputs, steps, device), 3))
+            log(f"... round {r + 1}/{rounds}: " + ", ".join(f"{n} {v['step_ms'][-1]:.2f} ms" for n, v in rows.items()))
+        if device.type == "cuda":
+            for name, (fn, inputs) in calls.items():
+                rows[name].update(profile_step(fn, inputs))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    return {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "batch": batch, "sizes": dataclasses.asdict(sizes),
+            "split_outside_graphs": split_outside_graphs, "rows": rows}
+
+
+def table(result: dict) -> str:
+    """A markdown table of a result, each step also against bf16's in the same round."""
+    rows, bf16 = result["rows"], result["rows"].get("bf16", {}).get("step_ms")
+    lines = [f"{result['gpu']}, batch {result['batch']}, default torch.compile"
+             + (", fusepass rows split K outside CUDA graphs" if result["split_outside_graphs"] else ""),
+             "| variant | step ms (rounds) | / bf16's (rounds) | CUDA kernels per step | GPU ms per step |",
+             "|---|---|---|---|---|"]
+    for name, row in rows.items():
+        ratio = " / ".join(f"{s / b:.2f}" for s, b in zip(row["step_ms"], bf16)) if bf16 and name != "bf16" else ""
+        lines.append(f"| {name} | {' / '.join(f'{s:.2f}' for s in row['step_ms'])} | {ratio} | "
+                     f"{row.get('kernels', '')} | {row.get('gpu_ms', '')} |")
+    if result["gpu"] == "CPU":
+        lines.append("CPU timings: fusepass's CPU ops are its reference implementation; they say nothing of a GPU's.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", default="bf16,fp8-stock,fp8,int8-handwritten",
+                    help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=17, help="timed steps per round (median)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--split-outside-graphs", action="store_true",
+                    help="compile the fusepass variants with PassConfig(split_k_outside_cuda_graphs=True)")
+    ap.add_argument("--out", default=None, help="the JSON (default: results/<gpu>-<date>-decode-step.json)")
+    args = ap.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
+    if min(args.batch, args.rounds, args.steps) < 1:
+        ap.error("--batch, --rounds and --steps must be >= 1")
+    device = torch.device(args.device)
+    if device.type == "cpu" and any(VARIANTS[v][0] == "fp8" for v in variants):
+        ap.error("the fp8 variants need a CUDA GPU")
+    sizes = CUDA_SIZES if device.type == "cuda" else CPU_SIZES
+    result = run(variants, sizes, args.batch, args.rounds, args.steps, device, args.split_outside_graphs)
+    print(table(result))
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"{result['gpu'].replace(' ', '_')}-{result['date']}-decode-step.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
