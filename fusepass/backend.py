@@ -55,12 +55,30 @@ def _without_fusepass(p):
     return p
 
 
+def _fusepass_in(p) -> FusePass | None:
+    """The fusepass pass in a post-grad hook (itself, or a member of a chain), if any."""
+    if isinstance(p, FusePass):
+        return p
+    if isinstance(p, ChainedPass):
+        return next((f for f in map(_fusepass_in, p.passes) if f is not None), None)
+    return None
+
+
+def installed_config() -> PassConfig | None:
+    """The ``PassConfig`` of the fusepass pass in Inductor's config now (while it compiles a
+    graph with the pass: its options are applied then), or None."""
+    found = _fusepass_in(getattr(torch._inductor.config, _HOOK))
+    return None if found is None else found.config
+
+
 def inductor_options(options: dict | None = None, *, config: PassConfig | None = None) -> dict:
     """Inductor options (for ``torch.compile(..., options=...)``) that add the fusepass pass.
 
     A ``post_grad_custom_pre_pass`` already in ``options``, or else already set in
-    ``torch._inductor.config``, is kept and runs first (chained, never replaced). Sets
-    ``emulate_precision_casts`` unless ``options`` says otherwise (see below).
+    ``torch._inductor.config``, is kept and runs first (chained, never replaced); a fusepass
+    pass among them is replaced by one pass, with ``config``, or else with its own config
+    (so ``backend="fusepass"`` keeps the ``PassConfig`` of ``options=inductor_options(...)``).
+    Sets ``emulate_precision_casts`` unless ``options`` says otherwise (see below).
     """
     opts = dict(options or {})
     # Round where eager rounds (a bf16 value fused into the next kernel is otherwise kept in
@@ -69,7 +87,10 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     # 2.94e-2 from the float model's against eager torchao's 2.29e-2; with it 2.25e-2
     # (relative error, H200, benchmarks/NOTES.md run 6). An explicit False is kept.
     opts.setdefault("emulate_precision_casts", True)
-    existing = _without_fusepass(opts.get(_HOOK, getattr(torch._inductor.config, _HOOK)))
+    hook = opts.get(_HOOK, getattr(torch._inductor.config, _HOOK))
+    if config is None and _fusepass_in(hook) is not None:
+        config = _fusepass_in(hook).config
+    existing = _without_fusepass(hook)
     ours = FusePass(config)
     opts[_HOOK] = ours if existing is None else ChainedPass(existing, ours)
     return opts

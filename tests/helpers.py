@@ -111,3 +111,26 @@ def assert_matches_oracle(out: torch.Tensor, p: Problem, out_dtype, *, extra_ulp
         f"{int(bad.sum())} of {out.numel()} elements off; worst error "
         f"{float((err - bound).max()):.3g} over the bound, at {bad.nonzero()[0].tolist()}"
     )
+
+
+# What a launch module asks of the decode split policy, run eagerly, then traced with a static
+# and a symbolic M: (fake, symbolic_m) and the split_decode it passes on (policy: split if traced).
+SPLIT_REQUESTS = [(False, False), ("select_config", False), (True, False), ("select_config", True),
+                  (True, True), ("bucket_choices", True)]
+
+
+def record_split_requests(monkeypatch, module, run, tensors) -> list:
+    """``run(*tensors)`` eagerly and traced (fake, symbolic) with ``module``'s
+    ``decode_splits``, ``select_config`` and ``bucket_choices`` recorded; M must not be 1
+    (a size of 1 traces as a constant)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = []
+    monkeypatch.setattr(module, "decode_splits", lambda fake, symbolic_m: seen.append((fake, symbolic_m)) or fake)
+    for name in ("select_config", "bucket_choices"):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: seen.append((name, a[-1])) or real(*a))
+    run(*tensors)
+    for mode in ("fake", "symbolic"):
+        make_fx(run, tracing_mode=mode)(*tensors)
+    return seen

@@ -97,6 +97,19 @@ def test_uuid_follows_configuration():
     assert default.uuid() == fusepass.FusePass().uuid() != other.uuid()
 
 
+def test_inductor_options_keep_the_pass_config_they_are_given():
+    """backend="fusepass" with options=inductor_options(config=...) keeps that PassConfig
+    (it once put a default pass in its place); an explicit config wins."""
+    mine = fusepass.PassConfig(fp8_max_m=32, split_k_outside_cuda_graphs=True)
+    options = fusepass.inductor_options(config=mine)
+    assert fusepass.inductor_options(options)["post_grad_custom_pre_pass"].config == mine
+    user = UserPass()
+    chained = fusepass.inductor_options({"post_grad_custom_pre_pass": ChainedPass(user, options["post_grad_custom_pre_pass"])})
+    assert chained["post_grad_custom_pre_pass"].passes[1].config == mine
+    other = fusepass.PassConfig(fp8_max_m=8)
+    assert fusepass.inductor_options(options, config=other)["post_grad_custom_pre_pass"].config == other
+
+
 def test_backend_passes_mode_and_options_to_inductor(monkeypatch):
     seen = {}
     monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", lambda gm, ex, config_patches: seen.update(config_patches))

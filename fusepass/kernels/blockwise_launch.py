@@ -139,13 +139,13 @@ def launch_scaled_mm_blockwise(
     if config is not None:
         check_config(config)
     elif all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        config = select_config(int(M), int(N), int(K), a.device, decode_splits(fake, symbolic=False))
+        config = select_config(int(M), int(N), int(K), a.device, decode_splits(fake, symbolic_m=False))
     tensors = (a, b, scale_a, scale_b) + ((bias,) if bias is not None else ())
     if config is not None:
         def launch():
             return _run(config, out_dtype, *tensors)
     else:  # a symbolic size: the config of M's bucket, picked at run time
-        choices = bucket_choices(N, K, a.device, decode_splits(fake, symbolic=True))
+        choices = bucket_choices(N, K, a.device, decode_splits(fake, symbolic_m=not is_concrete_int(M)))
 
         def launch():
             return _by_m(choices, lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors, GRAPH_SYMBOLS.get())

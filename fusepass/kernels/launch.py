@@ -100,21 +100,28 @@ def on_device(a: torch.Tensor, fake: bool, launch):
     return launch()
 
 
-def decode_splits(fake: bool, symbolic: bool) -> bool:
+def decode_splits(fake: bool, symbolic_m: bool) -> bool:
     """Whether a decode launch may split K (the configs' ``split_decode``).
 
     Eagerly: yes. A warm-up outside a stream capture must compile the kernel the capture
     then launches (a Triton compile inside a capture can fail), and the counters' zeroing is
-    a memset there. Traced: where its launches are hidden in a CUDA graph, known as Inductor
-    lowers: its ``triton.cudagraphs`` option (``mode="reduce-overhead"`` or
-    ``"max-autotune"``; part of the FX-graph-cache key), or ``SPLIT_OUTSIDE_GRAPHS`` for code
-    that someone else captures. Not for a symbolic M (``symbolic``): its ``cond`` is control
-    flow, which Inductor keeps out of its CUDA graphs (torch 2.13's graph partition)."""
-    if not fake or SPLIT_OUTSIDE_GRAPHS.get():
+    a memset there. Traced: where its launches are hidden in a CUDA graph, as far as it is
+    known while Inductor compiles: its ``triton.cudagraphs`` option (``mode="reduce-overhead"``
+    or ``"max-autotune"``; part of the FX-graph-cache key), or the fusepass pass's
+    ``PassConfig.split_k_outside_cuda_graphs`` for code that its caller captures (read from
+    Inductor's config, so it holds for ops the pass lowers and for ops AOTAutograd decomposes).
+    Not for a symbolic M: its ``cond`` is control flow, which Inductor keeps out of its CUDA
+    graphs (torch 2.13's graph partition)."""
+    if not fake:
         return True
     from torch._inductor import config
 
-    return bool(config.triton.cudagraphs) and not symbolic
+    from ..backend import installed_config  # (fusepass.backend imports this module)
+
+    pass_config = installed_config()
+    if pass_config is not None and pass_config.split_k_outside_cuda_graphs:
+        return True
+    return bool(config.triton.cudagraphs) and not symbolic_m
 
 
 def _per_element(v: torch.Tensor | None) -> bool:
@@ -168,10 +175,6 @@ def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device):
     return (torch.empty((split_k, M, N), dtype=acc_dtype, device=device),
             torch.zeros((tiles,), dtype=torch.int32, device=device))
 
-
-# PassConfig.split_k_outside_cuda_graphs of the pass lowering an op (fusepass.passes.lower):
-# the compiled code is captured into CUDA graphs by its caller (see decode_splits).
-SPLIT_OUTSIDE_GRAPHS: ContextVar[bool] = ContextVar("fusepass_split_outside_graphs", default=False)
 
 # The size symbols of the graph being lowered (SymInts), set by fusepass.passes.lower while
 # it traces an op. Each cond takes them as operands: Inductor compiles its branches as
@@ -237,13 +240,13 @@ def launch_scaled_mm(
     )
     M, K = a.shape
     if config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        split = decode_splits(fake, symbolic=False)
+        split = decode_splits(fake, symbolic_m=False)
         config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split)
     if config is not None:
         def launch():
             return _run(config, flags, out_dtype, a, b, scale_a, scale_b, bias, azp_adj, azp)
     else:  # a symbolic size: the config of M's bucket, picked at run time
-        split = decode_splits(fake, symbolic=True)
+        split = decode_splits(fake, symbolic_m=not is_concrete_int(M))
         choices = bucket_choices(N, K, a.dtype, a.device, azp_adj is not None, split)
         # cond takes tensors only: the None arguments stay in the closure, by position.
         args = (a, b, scale_a, scale_b, bias, azp_adj, azp)

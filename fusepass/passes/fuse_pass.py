@@ -54,9 +54,10 @@ class PassConfig:
     fp8_max_m: int = 16
     # Pattern families to run, by module name (int_mm, blockwise, scaled_mm, dequant_mm).
     patterns: tuple = tuple(PATTERNS)
-    # Decode launches split K only inside Inductor's CUDA graphs (fusepass.kernels.launch.
-    # decode_splits): outside them each split costs a launch. True where the caller captures the
-    # compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor cannot see.
+    # Compiled decode launches split K only inside Inductor's CUDA graphs (fusepass.kernels.
+    # launch.decode_splits): outside them each split costs a launch. True where the caller
+    # captures the compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor
+    # cannot see.
     split_k_outside_cuda_graphs: bool = False
 
     def __post_init__(self):
@@ -106,7 +107,7 @@ class FusePass(CustomGraphPass):
 
     def __call__(self, graph: fx.Graph) -> None:
         self.run(graph)
-        if lower(graph, self.config.split_k_outside_cuda_graphs):
+        if lower(graph):
             graph.lint()
 
     def run(self, graph: fx.Graph) -> list[Decision]:

@@ -31,7 +31,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from ..kernels.launch import GRAPH_SYMBOLS, INTERPRETED, SPLIT_OUTSIDE_GRAPHS
+from ..kernels.launch import GRAPH_SYMBOLS, INTERPRETED
 from ..ops.scaled_mm import IMPLS
 
 log = logging.getLogger("fusepass.pass")
@@ -109,17 +109,8 @@ def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list) ->
     graph.erase_node(node)
 
 
-def lower(graph: fx.Graph, split_outside_graphs: bool = False) -> int:
-    """Replace every fusepass op call of ``graph`` by its implementation; returns how many.
-    ``split_outside_graphs``: ``PassConfig.split_k_outside_cuda_graphs``."""
-    token = SPLIT_OUTSIDE_GRAPHS.set(split_outside_graphs)
-    try:
-        return _lower(graph)
-    finally:
-        SPLIT_OUTSIDE_GRAPHS.reset(token)
-
-
-def _lower(graph: fx.Graph) -> int:
+def lower(graph: fx.Graph) -> int:
+    """Replace every fusepass op call of ``graph`` by its implementation; returns how many."""
     count = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in IMPLS:

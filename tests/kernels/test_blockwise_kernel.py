@@ -10,7 +10,7 @@ from fusepass.kernels import blockwise_launch as bl
 from fusepass.kernels.blockwise_launch import check_config, launch_scaled_mm_blockwise, select_config
 from fusepass.kernels.configs import Config
 from tests.blockwise_data import BLOCK, block_oracle, blocks, make_block_problem
-from tests.helpers import assert_matches_oracle
+from tests.helpers import SPLIT_REQUESTS, assert_matches_oracle, record_split_requests
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter rounds fp32 -> bf16 toward zero (see test_scaled_mm_kernel.py).
@@ -111,6 +111,13 @@ def test_decode_splits_only_where_launches_are_hidden():
     assert [select_config(M, 4096, 14336, split_decode=False).split_k for M in (1, 16, 64)] == [1, 1, 4]
     assert select_config(16, 4096, 14336, split_decode=False) == replace(select_config(16, 4096, 14336), split_k=1)
     assert [c.split_k for _, c in bl.bucket_choices(4096, 14336, split_decode=False)][:3] == [1, 1, 4]
+
+
+def test_launch_asks_for_the_split_the_policy_gives(monkeypatch):
+    """As launch_scaled_mm's: eagerly, traced with a static M, traced with a symbolic one."""
+    p = make_block_problem(3, 130, 256, device=DEVICE)
+    run = lambda *t: launch_scaled_mm_blockwise(*t, torch.bfloat16)  # noqa: E731
+    assert record_split_requests(monkeypatch, bl, run, p.args(torch.bfloat16)[:4]) == SPLIT_REQUESTS
 
 
 def test_bucket_choices_merge_equal_configs(monkeypatch):

@@ -11,7 +11,7 @@ from fusepass.kernels import launch_scaled_mm
 from fusepass.kernels import configs, launch
 from fusepass.kernels.configs import Config, select_config
 from fusepass.kernels.launch import tma_allowed
-from tests.helpers import assert_matches_oracle, make_problem
+from tests.helpers import SPLIT_REQUESTS, assert_matches_oracle, make_problem, record_split_requests
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -240,30 +240,30 @@ def test_decode_splits_only_where_launches_are_hidden(table_dir):
     assert configs._config(configs.m_bucket(64), 1024, 4096, "int8", "sm90", 132, False) == tuned
 
 
-@pytest.mark.parametrize("outside", [False, True], ids=["inductor", "split_k_outside_cuda_graphs"])
-def test_launch_splits_decode_where_launches_are_hidden(monkeypatch, outside):
-    """Eagerly always; traced, with Inductor's cudagraphs option (or the pass's override),
-    and never for a symbolic M (its cond is kept out of CUDA graphs)."""
+@pytest.mark.parametrize("cudagraphs", [False, True], ids=["default", "cudagraphs"])
+@pytest.mark.parametrize("outside", [False, True], ids=["", "split_k_outside_cuda_graphs"])
+def test_decode_splits_where_launches_are_hidden(cudagraphs, outside):
+    """Traced: with Inductor's cudagraphs option, or the installed pass's override (read from
+    Inductor's config, as while it compiles with the pass), never for a symbolic M (its cond
+    runs outside CUDA graphs) but with the override; eagerly always."""
+    import fusepass
     from torch._inductor import config as inductor_config
-    from torch.fx.experimental.proxy_tensor import make_fx
 
-    seen = []
-    for name in ("select_config", "bucket_choices"):
-        real = getattr(launch, name)
-        monkeypatch.setattr(launch, name, lambda *a, real=real, name=name: seen.append((name, a[-1])) or real(*a))
-    p = make_problem(1, 64, 256)
+    options = fusepass.inductor_options({"triton.cudagraphs": cudagraphs},
+                                        config=fusepass.PassConfig(split_k_outside_cuda_graphs=outside))
+    with inductor_config.patch(options):
+        assert launch.decode_splits(True, symbolic_m=False) is (cudagraphs or outside)
+        assert launch.decode_splits(True, symbolic_m=True) is outside
+        assert launch.decode_splits(False, symbolic_m=False) is True
+    with inductor_config.patch({"triton.cudagraphs": cudagraphs}):  # no fusepass pass installed
+        assert launch.decode_splits(True, symbolic_m=False) is cudagraphs
+
+
+def test_launch_asks_for_the_split_the_policy_gives(monkeypatch):
+    """The launch code's wiring: eagerly, traced with a static M, traced with a symbolic one."""
+    p = make_problem(3, 64, 256)
     run = lambda *t: launch_scaled_mm(*t, torch.float32)  # noqa: E731
-    run(p.a, p.b, p.scale_a, p.scale_b)
-    token = launch.SPLIT_OUTSIDE_GRAPHS.set(outside)
-    try:
-        for cudagraphs in (False, True):
-            with inductor_config.patch({"triton.cudagraphs": cudagraphs}):
-                for mode in ("fake", "symbolic"):
-                    make_fx(run, tracing_mode=mode)(p.a, p.b, p.scale_a, p.scale_b)
-    finally:
-        launch.SPLIT_OUTSIDE_GRAPHS.reset(token)
-    assert seen == [("select_config", True), ("select_config", outside), ("bucket_choices", outside),
-                    ("select_config", True), ("bucket_choices", outside)]
+    assert record_split_requests(monkeypatch, launch, run, (p.a, p.b, p.scale_a, p.scale_b)) == SPLIT_REQUESTS
 
 
 def test_config_buckets():
