@@ -11,8 +11,9 @@ when the GPU work is short, and a fused model wins only if it also launches no m
 with ``dynamic=False`` in default mode, and called on one decode step with a static KV cache
 (reset before each step). The variants are timed in ``--rounds`` alternated rounds (median of
 ``--steps`` steps after 3, ``perf_counter`` around the step and a synchronize), so the host's
-drift reaches every variant alike. On CUDA, ``torch.profiler`` then counts the CUDA kernels of
-5 steps, by family, and their GPU time. Writes ``results/<gpu>-<date>-decode-step.json``.
+drift reaches every variant alike. ``torch.profiler`` then takes 5 steps: the host's time
+under the profiler, and on CUDA the kernels by family and their GPU time (``--profile-dir``
+keeps its tables). Writes ``results/<gpu>-<date>-decode-step.json``.
 
 ``--split-outside-graphs`` compiles the fusepass variants with
 ``PassConfig(split_k_outside_cuda_graphs=True)``, the decode split-K that compiled code outside
@@ -92,29 +93,43 @@ def step_ms(fn, inputs: dict, steps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def profile_step(fn, inputs: dict, steps: int = 5) -> dict:
-    """CUDA kernels per step (by family) and GPU ms per step, over ``steps`` steps (the cache
-    reset once before them: its fills are no part of a step)."""
+def profile_step(fn, inputs: dict, cuda: bool, table: str | None = None, steps: int = 5) -> dict:
+    """Over ``steps`` steps under ``torch.profiler`` (the cache reset once before them: its
+    fills are no part of a step): the host's profiled ms per step, and on CUDA the kernels per
+    step (by family) and their GPU ms per step. ``table``: write the profiler's tables there
+    (by host time, and on CUDA by GPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
     inputs["past_key_values"].reset()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
         for _ in range(steps):  # (steps < MAX_LEN: the cache does not fill up)
             fn(**inputs)
-        torch.cuda.synchronize()
-    families, gpu_us = Counter(), 0.0
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            families[kernel_family(e.key)] += e.count / steps
-            gpu_us += e.self_device_time_total / steps
-    return {"kernels": round(sum(families.values()), 1), "gpu_ms": round(gpu_us / 1e3, 3),
-            "families": {k: round(v, 1) for k, v in sorted(families.items())}}
+        sync()
+    events = prof.key_averages()
+    out = {"profiled_host_ms": round(sum(e.self_cpu_time_total for e in events) / steps / 1e3, 3)}
+    if cuda:
+        families, gpu_us = Counter(), 0.0
+        for e in events:
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                families[kernel_family(e.key)] += e.count / steps
+                gpu_us += e.self_device_time_total / steps
+        out.update(kernels=round(sum(families.values()), 1), gpu_ms=round(gpu_us / 1e3, 3),
+                   families={k: round(v, 1) for k, v in sorted(families.items())})
+    if table:
+        with open(table, "w") as f:
+            f.write(events.table(sort_by="self_cpu_time_total", row_limit=40))
+            if cuda:
+                f.write(events.table(sort_by="self_device_time_total", row_limit=40))
+    return out
 
 
 def run(variants: list[str], sizes: models.Sizes, batch: int, rounds: int, steps: int, device: torch.device,
-        split_outside_graphs: bool = False, log=print) -> dict:
-    """Build, compile and time ``variants``; returns the results (the JSON written)."""
+        split_outside_graphs: bool = False, profile_dir: str | None = None, log=print) -> dict:
+    """Build, compile, time and profile ``variants``; returns the results (the JSON written).
+    ``profile_dir``: the profiler's tables of each variant go there."""
     with models.quiet_imports(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = models.random_llama(sizes, MAX_LEN, device, 0)
@@ -136,9 +151,9 @@ def run(variants: list[str], sizes: models.Sizes, batch: int, rounds: int, steps
             for name, (fn, inputs) in calls.items():
                 rows[name]["step_ms"].append(round(step_ms(fn, inputs, steps, device), 3))
             log(f"... round {r + 1}/{rounds}: " + ", ".join(f"{n} {v['step_ms'][-1]:.2f} ms" for n, v in rows.items()))
-        if device.type == "cuda":
-            for name, (fn, inputs) in calls.items():
-                rows[name].update(profile_step(fn, inputs))
+        for name, (fn, inputs) in calls.items():
+            path = os.path.join(profile_dir, f"profile-{name}.txt") if profile_dir else None
+            rows[name].update(profile_step(fn, inputs, device.type == "cuda", path))
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     return {"gpu": gpu, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "batch": batch, "sizes": dataclasses.asdict(sizes),
@@ -150,12 +165,13 @@ def table(result: dict) -> str:
     rows, bf16 = result["rows"], result["rows"].get("bf16", {}).get("step_ms")
     lines = [f"{result['gpu']}, batch {result['batch']}, default torch.compile"
              + (", fusepass rows split K outside CUDA graphs" if result["split_outside_graphs"] else ""),
-             "| variant | step ms (rounds) | / bf16's (rounds) | CUDA kernels per step | GPU ms per step |",
-             "|---|---|---|---|---|"]
+             "| variant | step ms (rounds) | / bf16's (rounds) | CUDA kernels per step | GPU ms per step "
+             "| host ms per step, profiled |",
+             "|---|---|---|---|---|---|"]
     for name, row in rows.items():
         ratio = " / ".join(f"{s / b:.2f}" for s, b in zip(row["step_ms"], bf16)) if bf16 and name != "bf16" else ""
         lines.append(f"| {name} | {' / '.join(f'{s:.2f}' for s in row['step_ms'])} | {ratio} | "
-                     f"{row.get('kernels', '')} | {row.get('gpu_ms', '')} |")
+                     f"{row.get('kernels', '')} | {row.get('gpu_ms', '')} | {row.get('profiled_host_ms', '')} |")
     if result["gpu"] == "CPU":
         lines.append("CPU timings: fusepass's CPU ops are its reference implementation; they say nothing of a GPU's.")
     return "\n".join(lines)
@@ -172,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-outside-graphs", action="store_true",
                     help="compile the fusepass variants with PassConfig(split_k_outside_cuda_graphs=True)")
     ap.add_argument("--out", default=None, help="the JSON (default: results/<gpu>-<date>-decode-step.json)")
+    ap.add_argument("--profile-dir", default=None, help="write each variant's profiler tables here")
     args = ap.parse_args(argv)
+    if args.profile_dir and not os.path.isdir(args.profile_dir):
+        ap.error(f"--profile-dir {args.profile_dir}: no such directory")
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
@@ -183,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cpu" and any(VARIANTS[v][0] == "fp8" for v in variants):
         ap.error("the fp8 variants need a CUDA GPU")
     sizes = CUDA_SIZES if device.type == "cuda" else CPU_SIZES
-    result = run(variants, sizes, args.batch, args.rounds, args.steps, device, args.split_outside_graphs)
+    result = run(variants, sizes, args.batch, args.rounds, args.steps, device, args.split_outside_graphs,
+                 args.profile_dir)
     print(table(result))
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"{result['gpu'].replace(' ', '_')}-{result['date']}-decode-step.json")

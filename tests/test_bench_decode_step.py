@@ -27,15 +27,16 @@ def test_kernel_families(bench, name, family):
 
 def test_table_against_bf16_round_by_round(bench):
     result = {"gpu": "NVIDIA H200", "batch": 1, "split_outside_graphs": False, "rows": {
-        "bf16": {"step_ms": [1.6, 2.0], "kernels": 108.0, "gpu_ms": 0.673},
-        "int8-handwritten": {"step_ms": [1.92, 2.2], "kernels": 104.0, "gpu_ms": 0.619}}}
-    assert bench.table(result).splitlines()[-1] == "| int8-handwritten | 1.92 / 2.20 | 1.20 / 1.10 | 104.0 | 0.619 |"
+        "bf16": {"step_ms": [1.6, 2.0], "kernels": 108.0, "gpu_ms": 0.673, "profiled_host_ms": 2.1},
+        "int8-handwritten": {"step_ms": [1.92, 2.2], "kernels": 104.0, "gpu_ms": 0.619, "profiled_host_ms": 2.4}}}
+    assert bench.table(result).splitlines()[-1] == "| int8-handwritten | 1.92 / 2.20 | 1.20 / 1.10 | 104.0 | 0.619 | 2.4 |"
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "bf16,int4"], "--variants: unknown ['int4']"),
     (["--device", "cpu", "--variants", "fp8"], "the fp8 variants need a CUDA GPU"),
     (["--device", "cpu", "--rounds", "0"], "must be >= 1"),
+    (["--device", "cpu", "--profile-dir", "/no/such/dir"], "--profile-dir /no/such/dir: no such directory"),
 ])
 def test_bad_arguments(bench, capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -47,10 +48,12 @@ def test_cpu_run_fuses_and_times(bench, tmp_path, capsys):
     counters["fusepass"].clear()
     out = tmp_path / "r.json"
     assert bench.main(["--device", "cpu", "--variants", "bf16,int8-handwritten", "--rounds", "1", "--steps", "1",
-                       "--out", str(out)]) == 0
+                       "--out", str(out), "--profile-dir", str(tmp_path)]) == 0
     result = json.loads(out.read_text())
     assert result["gpu"] == "CPU" and list(result["rows"]) == ["bf16", "int8-handwritten"]
-    assert all(len(row["step_ms"]) == 1 and row["step_ms"][0] > 0 for row in result["rows"].values())
+    for name, row in result["rows"].items():
+        assert len(row["step_ms"]) == 1 and row["step_ms"][0] > 0 and row["profiled_host_ms"] > 0
+        assert "Self CPU" in (tmp_path / f"profile-{name}.txt").read_text()
     # every linear of the 1-layer model (7 and lm_head) fused
     assert sum(counters["fusepass"].values()) == 8, dict(counters["fusepass"])
     assert "CPU timings" in capsys.readouterr().out
