@@ -88,8 +88,9 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     # (relative error, H200, benchmarks/NOTES.md run 6). An explicit False is kept.
     opts.setdefault("emulate_precision_casts", True)
     hook = opts.get(_HOOK, getattr(torch._inductor.config, _HOOK))
-    if config is None and _fusepass_in(hook) is not None:
-        config = _fusepass_in(hook).config
+    found = _fusepass_in(hook)
+    if config is None and found is not None:
+        config = found.config
     existing = _without_fusepass(hook)
     ours = FusePass(config)
     opts[_HOOK] = ours if existing is None else ChainedPass(existing, ours)
