@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -239,13 +240,20 @@ class Result:
         return tp <= single * 1.05 + 1e-6
 
 
+def progress(msg: str, since: float) -> None:
+    """Rank 0's stages on stderr (compiling Llama-3-8B-sized layers takes minutes)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[rank 0] {msg} ({time.perf_counter() - since:.0f} s)", file=sys.stderr, flush=True)
+
+
 def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, mode: str | None = None) -> Result:
     """Build, shard, compile and check the model on this rank (the group is up); with
     ``reps``, time it and the unquantized model, both compiled in ``mode``."""
     device, (B, S) = prompt.device, prompt.shape
-    pos = torch.arange(S, device=device)
+    pos, t0 = torch.arange(S, device=device), time.perf_counter()
     with torch.no_grad():
         model = shard(build(c, quant, dtype, device), mesh, B)
+        progress("built and sharded; compiling with fusepass and generating", t0)
         torch._dynamo.utils.counters["fusepass"].clear()
         # dynamic=False for both timed models: Dynamo's automatic dynamic shapes are kept per
         # code object, which they share (a symbolic prompt length would reach only the second).
@@ -254,6 +262,7 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
         logits, tokens = generate(compiled, prompt, new_tokens)
         compile_s = time.perf_counter() - t
         counters = dict(torch._dynamo.utils.counters["fusepass"])
+        progress("generated; the references and fusepass.explain", t0)
 
         # The references run eagerly, in one forward over the prompt and the tokens the
         # sharded model chose (teacher-forced: on CUDA torch._int_mm needs M > 16).
@@ -274,10 +283,12 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
             compile_s=compile_s,
         )
         if reps:
+            progress("timing the fused model, then compiling and timing the unquantized one", t0)
             baseline = torch.compile(shard(build(c, None, dtype, device), mesh, B, quantized=False), mode=mode,
                                      dynamic=False)
             result.times = {"fusepass": time_steps(compiled, prompt, reps),
                             "unquantized": time_steps(baseline, prompt, reps)}
+        progress("done", t0)
     return result
 
 
@@ -307,11 +318,13 @@ def main(argv=None) -> None:
         p.error("on cuda --batch x --prompt-len must be > 16: the eager 1-process reference runs torch._int_mm")
 
     device = torch.device(args.device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     if args.kv_heads % world or args.heads % args.kv_heads or args.dim % args.heads:
         raise SystemExit(f"{world} ranks, {args.heads} heads, {args.kv_heads} kv heads, dim {args.dim}: the kv heads "
                          "must divide among the ranks, the heads among the kv heads, and dim among the heads")
@@ -350,6 +363,10 @@ def main(argv=None) -> None:
         dist.barrier()
     ok = torch.tensor([float(r.ok)], device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    # Free the CUDA graphs of mode="reduce-overhead" first: they hold the NCCL communicator
+    # (they captured its all-reduces), and destroying it waits for them: without this the
+    # processes hung at exit on 2 H200s (pytorch/pytorch#115388).
+    torch._dynamo.reset()
     dist.destroy_process_group()
     if not ok.item():
         raise SystemExit("the tensor-parallel model does not match the 1-process one (numerics policy)")

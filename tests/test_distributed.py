@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -399,14 +400,25 @@ def test_example_compiles_with_the_backend_and_matches_one_process(ranks):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_example_under_torchrun_on_two_gpus():
-    out = subprocess.run(
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_example_under_torchrun_on_two_gpus(mode):
+    # Its own session, so that a hang (the NCCL communicator waiting at exit for CUDA graphs
+    # that captured its all-reduces) kills the ranks too and fails here.
+    proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/tp_llama.py",
-         "--device", "cuda", "--layers", "1", "--new-tokens", "4", "--reps", "3"],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+         "--device", "cuda", "--layers", "1", "--new-tokens", "4", "--reps", "3", "--mode", mode],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"no exit in 300 s:\n{stdout[-3000:]}{stderr[-3000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     for rank in range(2):
         assert f"[rank {rank}] prefill graph, fusepass.explain: fusepass: 8 quantized matmuls, 8 fused, 0 left alone" \
-            in out.stdout, out.stdout
-        assert f"[rank {rank}] compiled with backend='fusepass'" in out.stdout
-    assert out.stdout.count("-> OK") == 2, out.stdout
+            in stdout, stdout
+        assert f"[rank {rank}] compiled with backend='fusepass'" in stdout
+        assert f"[rank {rank}] NVIDIA" in stdout and f"torch.compile {mode} mode" in stdout, stdout
+    assert stdout.count("-> OK") == 2, stdout
