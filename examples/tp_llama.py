@@ -4,8 +4,10 @@
 
 Builds the model (torchtitan's layout: attention wq/wk/wv/wo, feed-forward w1/w2/w3, a
 static KV cache), quantizes every linear with the plain-PyTorch W8A8 linears of
-``fusepass/demo/handwritten.py``, shards it with ``parallelize_module`` (column-wise wq, wk,
-wv, w1, w3 and the output head, row-wise wo and w2, as torchtitan does), compiles it with
+``fusepass/demo/handwritten.py`` (``--quant int8``, ``int8-asym``) or with torchao's fp8
+(``--quant torchao-fp8``, a GPU of compute capability >= 8.9), shards it with
+``parallelize_module`` (column-wise wq, wk, wv, w1, w3 and the output head, row-wise wo and
+w2, as torchtitan does), compiles it with
 ``backend="fusepass"``, and reports per rank how many quantized linears fused, the error
 against the same model on one process and against the unquantized model, and the prefill and
 decode times against the unquantized model sharded the same way with PyTorch's own styles and
@@ -31,7 +33,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import fusepass
 from fusepass.demo.handwritten import quantize
-from fusepass.distributed import QuantColwiseParallel, QuantRowwiseParallel
+from fusepass.distributed import (QuantColwiseParallel, QuantRowwiseParallel, TorchaoColwiseParallel,
+                                  TorchaoRowwiseParallel)
+
+TORCHAO = "torchao-fp8"  # the --quant of torchao's Float8DynamicActivationFloat8WeightConfig, per row
 
 
 @dataclass(frozen=True)
@@ -140,20 +145,28 @@ class Transformer(nn.Module):
 
 def build(c: Config, quant: str | None, dtype, device, seed: int = 0) -> Transformer:
     """The model, the same on every rank: W8A8 (every nn.Linear a hand-written QuantLinear
-    of scheme ``quant``), or unquantized for ``quant=None``."""
+    of scheme ``quant``, or torchao's fp8 for ``TORCHAO``), or unquantized for ``quant=None``."""
     torch.manual_seed(seed)
     model = Transformer(c).to(device=device, dtype=dtype).eval()
     for lin in model.modules():  # a trained model's scale: unit-variance outputs of each linear
         if isinstance(lin, nn.Linear):
             nn.init.normal_(lin.weight, std=lin.in_features ** -0.5)
+    if quant == TORCHAO:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False))
+        return model
     return model if quant is None else quantize(model, quant)
 
 
-def tp_plan(model: Transformer, quantized: bool = True) -> dict:
+def tp_plan(model: Transformer, quant: str | None) -> dict:
     """torchtitan's plan: column-wise into a block's attention and feed-forward, row-wise out
     of them (one all-reduce each); the output head column-wise, gathered. fusepass's styles
-    for the quantized linears, PyTorch's own for the unquantized model."""
-    colwise, rowwise = (QuantColwiseParallel, QuantRowwiseParallel) if quantized else (ColwiseParallel, RowwiseParallel)
+    for the quantized linears (hand-written or torchao's), PyTorch's own for the unquantized
+    model."""
+    colwise, rowwise = {None: (ColwiseParallel, RowwiseParallel),
+                        TORCHAO: (TorchaoColwiseParallel, TorchaoRowwiseParallel)}.get(
+                            quant, (QuantColwiseParallel, QuantRowwiseParallel))
     plan = {"output": colwise(output_layouts=Replicate())}
     for i in range(len(model.layers)):
         plan |= {f"layers.{i}.attention.{n}": colwise() for n in ("wq", "wk", "wv")}
@@ -162,10 +175,11 @@ def tp_plan(model: Transformer, quantized: bool = True) -> dict:
     return plan
 
 
-def shard(model: Transformer, mesh, batch: int, quantized: bool = True) -> Transformer:
+def shard(model: Transformer, mesh, batch: int, quant: str | None) -> Transformer:
+    """``model`` (built with ``quant``) sharded over ``mesh``, its cache set up for ``batch``."""
     # src_data_rank=None: every rank built the same model, so each takes its shard locally
     # (no scatter from rank 0).
-    model = parallelize_module(model, mesh, tp_plan(model, quantized), src_data_rank=None)
+    model = parallelize_module(model, mesh, tp_plan(model, quant), src_data_rank=None)
     model.setup_cache(batch, mesh.size())
     return model
 
@@ -225,6 +239,7 @@ class Result:
     linears: int  # quantized linears in the model
     counters: dict  # counters["fusepass"] after compiling the prefill (and decode) graphs
     report: fusepass.Report  # fusepass.explain of the sharded model's prefill
+    decode_report: fusepass.Report | None  # and of its decode step (with new_tokens)
     err_single: float  # relative error of the prefill logits vs the 1-process W8A8 model
     err_float: tuple  # (1-process, tensor-parallel) relative error vs the unquantized model
     agree: int  # decode steps whose token the 1-process model picks too, given the same prefix
@@ -252,7 +267,7 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
     device, (B, S) = prompt.device, prompt.shape
     pos, t0 = torch.arange(S, device=device), time.perf_counter()
     with torch.no_grad():
-        model = shard(build(c, quant, dtype, device), mesh, B)
+        model = shard(build(c, quant, dtype, device), mesh, B, quant)
         progress("built and sharded; compiling with fusepass and generating", t0)
         torch._dynamo.utils.counters["fusepass"].clear()
         # dynamic=False for both timed models: Dynamo's automatic dynamic shapes are kept per
@@ -274,9 +289,10 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
         unquantized.setup_cache(B)
         float_logits = unquantized(prompt, pos)
         result = Result(
-            linears=sum(1 for m in model.modules() if type(m).__name__ == "QuantLinear"),
+            linears=len(tp_plan(model, quant)),  # every linear of the model is quantized and sharded
             counters=counters,
             report=fusepass.explain(model, prompt, pos),
+            decode_report=fusepass.explain(model, tokens[:, -1:], torch.tensor([S], device=device)) if new_tokens else None,
             err_single=rel_err(logits, ref[:, :S]),
             err_float=(rel_err(ref[:, :S], float_logits), rel_err(logits, float_logits)),
             agree=int((ref[:, S - 1:S - 1 + new_tokens].argmax(-1) == tokens).all(0).sum()),
@@ -284,7 +300,7 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
         )
         if reps:
             progress("timing the fused model, then compiling and timing the unquantized one", t0)
-            baseline = torch.compile(shard(build(c, None, dtype, device), mesh, B, quantized=False), mode=mode,
+            baseline = torch.compile(shard(build(c, None, dtype, device), mesh, B, None), mode=mode,
                                      dynamic=False)
             result.times = {"fusepass": time_steps(compiled, prompt, reps),
                             "unquantized": time_steps(baseline, prompt, reps)}
@@ -296,7 +312,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
                    help="cuda: nccl, one GPU per rank; cpu: gloo (default: cuda where there is one)")
-    p.add_argument("--quant", choices=("int8", "int8-asym"), default="int8")
+    p.add_argument("--quant", choices=("int8", "int8-asym", TORCHAO), default="int8",
+                   help=f"hand-written W8A8 int8 (-asym: with zero points), or {TORCHAO}: torchao's fp8 per row")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="activations (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--layers", type=int, default=2)
@@ -316,6 +333,11 @@ def main(argv=None) -> None:
         p.error("--dim and --ffn must be multiples of 16 (so that each rank's slice keeps int8 matmuls aligned)")
     if args.device == "cuda" and args.batch * args.prompt_len <= 16:
         p.error("on cuda --batch x --prompt-len must be > 16: the eager 1-process reference runs torch._int_mm")
+    if args.quant == TORCHAO and args.device == "cpu":
+        p.error(f"--quant {TORCHAO} needs --device cuda: torchao quantizes to fp8 only on GPUs of compute "
+                "capability >= 8.9")
+    if args.quant == TORCHAO and args.dtype == "float32":
+        p.error(f"--quant {TORCHAO} needs bfloat16 activations: torchao's per-row fp8 takes bf16 weights only")
 
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -343,6 +365,7 @@ def main(argv=None) -> None:
         f"compiled with backend='fusepass' (prefill and decode graphs) in {r.compile_s:.1f} s; "
         f"counters['fusepass']: {r.counters}",
         f"prefill graph, fusepass.explain: {str(r.report).splitlines()[0]}",
+        *([f"decode graph, fusepass.explain: {str(r.decode_report).splitlines()[0]}"] if r.decode_report else []),
         f"prefill logits vs the 1-process model: relative error {r.err_single:.2e}; vs the unquantized model: "
         f"{r.err_float[1]:.3e} (1 process: {r.err_float[0]:.3e}) -> {'OK' if r.ok else 'FAIL'}; greedy decode: "
         f"{r.agree} of {args.new_tokens} tokens the 1-process model's",
