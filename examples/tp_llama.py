@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fusepass
@@ -154,6 +154,8 @@ def build(c: Config, quant: str | None, dtype, device, seed: int = 0) -> Transfo
     if quant == TORCHAO:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
+        # set_inductor_config=False: torchao's default turns on Inductor options for every
+        # compile in the process, the unquantized baseline's too.
         quantize_(model, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False))
         return model
     return model if quant is None else quantize(model, quant)
@@ -224,7 +226,7 @@ def timed(fn, device, reps: int) -> float:
 
 def time_steps(compiled, prompt, reps: int) -> tuple[float, float]:
     """(prefill, decode step) median ms of a compiled model: the prompt, then one token at the
-    position after it (its cache slot is the one generate() leaves free)."""
+    position after it (a slot the cache has; rewriting it changes nothing timed)."""
     S, device = prompt.shape[1], prompt.device
     pos = torch.arange(S, device=device)
     prefill = timed(lambda: step(compiled, prompt, pos), device, reps)
@@ -255,9 +257,19 @@ class Result:
         return tp <= single * 1.05 + 1e-6
 
 
+def _quantized(module: nn.Module) -> bool:
+    """A hand-written QuantLinear, or an nn.Linear whose (sharded) weight torchao quantized
+    (torchao leaves a linear whose sizes do not suit fp8 in bf16)."""
+    if type(module).__name__ == "QuantLinear":
+        return True
+    w = getattr(module, "weight", None) if isinstance(module, nn.Linear) else None
+    local = w.to_local() if isinstance(w, DTensor) else w
+    return isinstance(local, torch.Tensor) and type(local) not in (torch.Tensor, nn.Parameter)
+
+
 def progress(msg: str, since: float) -> None:
     """Rank 0's stages on stderr (compiling Llama-3-8B-sized layers takes minutes)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if dist.get_rank() == 0:
         print(f"[rank 0] {msg} ({time.perf_counter() - since:.0f} s)", file=sys.stderr, flush=True)
 
 
@@ -289,10 +301,13 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
         unquantized.setup_cache(B)
         float_logits = unquantized(prompt, pos)
         result = Result(
-            linears=len(tp_plan(model, quant)),  # every linear of the model is quantized and sharded
+            linears=sum(map(_quantized, model.modules())),
             counters=counters,
-            report=fusepass.explain(model, prompt, pos),
-            decode_report=fusepass.explain(model, tokens[:, -1:], torch.tensor([S], device=device)) if new_tokens else None,
+            # dynamic=False, as compiled: Dynamo has seen two prompt lengths by now, so explain
+            # would otherwise trace a symbolic M. (The decode one rewrites the cache at S.)
+            report=fusepass.explain(model, prompt, pos, dynamic=False),
+            decode_report=(fusepass.explain(model, tokens[:, -1:], torch.tensor([S], device=device), dynamic=False)
+                           if new_tokens else None),
             err_single=rel_err(logits, ref[:, :S]),
             err_float=(rel_err(ref[:, :S], float_logits), rel_err(logits, float_logits)),
             agree=int((ref[:, S - 1:S - 1 + new_tokens].argmax(-1) == tokens).all(0).sum()),
@@ -329,9 +344,7 @@ def main(argv=None) -> None:
     p.add_argument("--mode", choices=("default", "reduce-overhead"), default="default",
                    help="torch.compile mode of both timed models (reduce-overhead: CUDA graphs)")
     args = p.parse_args(argv)
-    if args.dim % 16 or args.ffn % 16:
-        p.error("--dim and --ffn must be multiples of 16 (so that each rank's slice keeps int8 matmuls aligned)")
-    if args.device == "cuda" and args.batch * args.prompt_len <= 16:
+    if args.device == "cuda" and args.quant != TORCHAO and args.batch * args.prompt_len <= 16:
         p.error("on cuda --batch x --prompt-len must be > 16: the eager 1-process reference runs torch._int_mm")
     if args.quant == TORCHAO and args.device == "cpu":
         p.error(f"--quant {TORCHAO} needs --device cuda: torchao quantizes to fp8 only on GPUs of compute "
@@ -343,13 +356,19 @@ def main(argv=None) -> None:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl", device_id=device)  # (else barrier() guesses the device, and warns)
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.kv_heads % world or args.heads % args.kv_heads or args.dim % args.heads:
         raise SystemExit(f"{world} ranks, {args.heads} heads, {args.kv_heads} kv heads, dim {args.dim}: the kv heads "
                          "must divide among the ranks, the heads among the kv heads, and dim among the heads")
+    # Each rank's slice of a sharded dim is an N or a K of its matmuls: 16-aligned for the
+    # int8 / fp8 kernels (torch._int_mm, torch._scaled_mm and ours).
+    sharded = {"--dim": args.dim, "--ffn": args.ffn, "--vocab": args.vocab,
+               "--kv-heads x head dim": args.kv_heads * (args.dim // args.heads)}
+    if bad := [f"{flag} / {world} = {size / world:g}" for flag, size in sharded.items() if size % (16 * world)]:
+        raise SystemExit(f"each rank's slice must be a multiple of 16: {', '.join(bad)}")
     mesh = init_device_mesh(device.type, (world,))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     # (one position more than generated: the decode timing runs a step at position prompt_len)

@@ -58,15 +58,18 @@ shards at the ``mm`` (its own rules), and torchao's subclass runs on each rank's
 the graph holds torchao's usual local epilogue, which the pass fuses as on one device. A
 row-wise linear's activation is quantized per token over this rank's K slice (torchao
 quantizes inside its ``mm``, past DTensor), so its scales are not the 1-process model's:
-a different rounding, no less accurate. torchao's fp8 (``Float8Tensor``) supports this; its
-int8 ``Int8DynamicActivationInt8WeightConfig`` tensors do not (no ``aten.view`` in torchao
-0.18, no ``aten.split`` in 0.17).
+a different rounding, no less accurate. torchao's fp8 (``Float8Tensor``) supports this,
+without a bias (on DTensors ``F.linear`` with a bias runs ``aten.addmm``, which torchao
+0.18's ``Float8Tensor`` lacks); its int8 ``Int8DynamicActivationInt8WeightConfig`` tensors
+do not (``DTensor.from_local`` needs ``aten.view``, which torchao 0.18's ``Int8Tensor``
+lacks). Both styles refuse these with an error.
 
 Not yet: plain-PyTorch fp8 (``torch._scaled_mm`` in the model). DTensor's own
 ``aten._scaled_mm`` rule has no K split with per-token scales, so it gathers a row-wise fp8
-linear's operands and runs it replicated (gloo cannot gather fp8 at all). With torch 2.11, a row-wise linear with a zero point (``int8-asym``) stays
-unfused: its DTensor follows the replicated operand of ``azp * colsum``, all-reduces the
-Partial ``colsum`` and splits the product again by dividing it by the world size, in fp32.
+linear's operands and runs it replicated (gloo cannot gather fp8 at all). With torch 2.11,
+a row-wise linear with a zero point (``int8-asym``) stays unfused: its DTensor follows the
+replicated operand of ``azp * colsum``, all-reduces the Partial ``colsum`` and splits the
+product again by dividing it by the world size, in fp32.
 """
 
 from __future__ import annotations
@@ -174,44 +177,52 @@ class QuantRowwiseParallel(RowwiseParallel):
         return _apply(self, module, device_mesh, self._partition)
 
 
-def _slice_linear(style, dim: int, name: str, module: nn.Module, mesh) -> None:
-    """Shard an ``nn.Linear``'s weight on ``dim`` (and its bias with it column-wise; replicated
-    row-wise) by slicing this rank's own copy: torchao's tensor subclasses implement
-    ``aten.slice`` (torchao shards them so in its tensor-parallel tests), not the split or
-    scatter of ``distribute_tensor``."""
+def _slice_linear(style, dim: int, module: nn.Module, mesh) -> None:
+    """Shard an ``nn.Linear``'s weight on ``dim`` by slicing this rank's own copy: torchao's
+    tensor subclasses implement ``aten.slice`` (torchao shards them so in its tensor-parallel
+    tests), not the split or scatter of ``distribute_tensor``. (``parallelize_module`` gives
+    a style no module path, so the errors name the module's class.)"""
+    what = f"{type(style).__name__} ({type(module).__name__})"
     if style.src_data_rank is not None:
-        raise ValueError(f"{type(style).__name__} ({name or type(module).__name__}): each rank slices its own copy of "
-                         "the quantized weight (a torchao tensor cannot be scattered): build and quantize the same "
-                         "model on every rank and pass src_data_rank=None to parallelize_module")
+        raise ValueError(f"{what}: each rank slices its own copy of the quantized weight (a torchao tensor cannot "
+                         "be scattered): build and quantize the same model on every rank and pass src_data_rank=None "
+                         "to parallelize_module")
     if mesh.ndim != 1:
         raise ValueError(f"{type(style).__name__} needs a 1-D mesh, got a {mesh.ndim}-D one")
-    rank, world = mesh.get_local_rank(), mesh.size()
-    for pname, p in list(module.named_parameters(recurse=False)):
-        along = dim if pname == "weight" or dim == 0 else None
-        if along is None:
-            local, placement = p.detach(), Replicate()
-        elif p.shape[along] % world:
-            raise ValueError(f"{name or type(module).__name__}: `{pname}` {tuple(p.shape)} does not split in "
-                             f"{world} equal parts along dim {along}")
-        else:
-            n = p.shape[along] // world
-            local, placement = p.detach().narrow(along, rank * n, n), Shard(along)
-        new = DTensor.from_local(local, mesh, [placement], run_check=False)
-        module.register_parameter(pname, nn.Parameter(new, requires_grad=p.requires_grad))
+    if getattr(module, "bias", None) is not None:
+        raise ValueError(f"{what}: a bias is not supported: on DTensors F.linear with a bias runs aten.addmm, which "
+                         "torchao's quantized weights do not implement")
+    w, rank, world = module.weight, mesh.get_local_rank(), mesh.size()
+    size = w.shape[dim]
+    n = size // world
+    # A block-wise weight's slice must start on a block boundary, or its scales go wrong
+    # silently; a block spanning the whole dim (per-row scales along K) has one scale there.
+    block = (getattr(w, "block_size", None) or [1, 1])[dim]
+    if size % world or (block != size and n % block):
+        raise ValueError(f"{what}: weight {tuple(w.shape)} does not split in {world} equal parts along dim {dim}"
+                         + (f" on its {block}-wide scale blocks" if block not in (1, size) else ""))
+    # clone: torchao's slice is a view of the whole weight, which each rank would keep.
+    local = w.detach().narrow(dim, rank * n, n).clone()
+    try:
+        new = DTensor.from_local(local, mesh, [Shard(dim)], run_check=False)
+    except NotImplementedError as e:
+        raise ValueError(f"{what}: DTensor cannot hold its {type(w).__name__} weight ({str(e).splitlines()[0][:200]}); "
+                         "torchao's fp8 Float8Tensor can") from e
+    module.register_parameter("weight", nn.Parameter(new, requires_grad=w.requires_grad))
 
 
 class TorchaoColwiseParallel(ColwiseParallel):
-    """``ColwiseParallel`` for an ``nn.Linear`` quantized by torchao: the weight (and bias)
-    sliced on N, each rank from its own copy (``src_data_rank=None``). See the module docstring."""
+    """``ColwiseParallel`` for an ``nn.Linear`` quantized by torchao, without a bias: the
+    weight sliced on N, each rank from its own copy (``src_data_rank=None``). See the module
+    docstring."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        _slice_linear(self, 0, name, module, device_mesh)
+        _slice_linear(self, 0, module, device_mesh)
 
 
 class TorchaoRowwiseParallel(RowwiseParallel):
-    """``RowwiseParallel`` for an ``nn.Linear`` quantized by torchao: the weight sliced on K,
-    each rank from its own copy (``src_data_rank=None``); a bias is replicated, as
-    ``RowwiseParallel`` does (DTensor all-reduces before adding it)."""
+    """``RowwiseParallel`` for an ``nn.Linear`` quantized by torchao, without a bias: the
+    weight sliced on K, each rank from its own copy (``src_data_rank=None``)."""
 
     def _partition_linear_fn(self, name, module, device_mesh):
-        _slice_linear(self, 1, name, module, device_mesh)
+        _slice_linear(self, 1, module, device_mesh)

@@ -264,6 +264,9 @@ def _refusals():
     from torch import nn
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Int8DynamicActivationInt8WeightConfig,
+                                      PerBlock, quantize_)
+
     from fusepass.distributed import QuantColwiseParallel, TorchaoColwiseParallel, TorchaoRowwiseParallel
 
     class Odd(nn.Module):  # a weight, and a [N, 2] tensor that is neither per-channel nor per-tensor
@@ -272,11 +275,19 @@ def _refusals():
             self.register_buffer("wq", torch.zeros(4, 8, dtype=torch.int8))
             self.register_buffer("table", torch.zeros(4, 2))
 
+    _torchao_fp8_on_cpu()
+    blockwise = nn.Linear(384, 256, bias=False).to(torch.bfloat16)  # K = 384: 192 a rank, not on 128-blocks
+    quantize_(blockwise, Float8DynamicActivationFloat8WeightConfig(
+        granularity=(PerBlock([1, 128]), PerBlock([128, 128])), set_inductor_config=False))
+    int8 = nn.Linear(64, 32, bias=False).to(torch.bfloat16)
+    quantize_(int8, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
     messages = []
     for module, style, src in ((nn.Linear(8, 4), QuantColwiseParallel(), 0), (Odd(), QuantColwiseParallel(), 0),
-                               (nn.Linear(8, 4), TorchaoColwiseParallel(), 0),
-                               (nn.Linear(8, 5), TorchaoColwiseParallel(), None),
-                               (nn.Linear(7, 4), TorchaoRowwiseParallel(), None)):
+                               (nn.Linear(8, 4, bias=False), TorchaoColwiseParallel(), 0),
+                               (nn.Linear(8, 4), TorchaoColwiseParallel(), None),
+                               (nn.Linear(8, 5, bias=False), TorchaoColwiseParallel(), None),
+                               (nn.Linear(7, 4, bias=False), TorchaoRowwiseParallel(), None),
+                               (blockwise, TorchaoRowwiseParallel(), None), (int8, TorchaoColwiseParallel(), None)):
         try:
             parallelize_module(module, _mesh(), style, src_data_rank=src)
         except ValueError as e:
@@ -285,17 +296,25 @@ def _refusals():
 
 
 def test_styles_refuse_what_they_cannot_shard(ranks):
+    pytest.importorskip("torchao")
     for messages in ranks.run(_refusals):
-        assert messages == [
+        assert messages[:-1] == [
             "Linear: no 2-D weight `wq` [N, K] to shard (pass weight=NAME to the style); its tensors: "
             "['weight', 'bias']",
             "Odd: `table` (4, 2) is neither per-channel (N = 4 elements) nor per-tensor; cannot shard it column-wise",
             "TorchaoColwiseParallel (Linear): each rank slices its own copy of the quantized weight (a torchao tensor "
             "cannot be scattered): build and quantize the same model on every rank and pass src_data_rank=None to "
             "parallelize_module",
-            "Linear: `weight` (5, 8) does not split in 2 equal parts along dim 0",
-            "Linear: `weight` (4, 7) does not split in 2 equal parts along dim 1",
+            "TorchaoColwiseParallel (Linear): a bias is not supported: on DTensors F.linear with a bias runs aten.addmm, "
+            "which torchao's quantized weights do not implement",
+            "TorchaoColwiseParallel (Linear): weight (5, 8) does not split in 2 equal parts along dim 0",
+            "TorchaoRowwiseParallel (Linear): weight (4, 7) does not split in 2 equal parts along dim 1",
+            "TorchaoRowwiseParallel (Linear): weight (256, 384) does not split in 2 equal parts along dim 1 on its "
+            "128-wide scale blocks",
         ]
+        assert messages[-1].startswith("TorchaoColwiseParallel (Linear): DTensor cannot hold its Int8Tensor weight ("), \
+            messages[-1]
+        assert messages[-1].endswith("torchao's fp8 Float8Tensor can"), messages[-1]
 
 
 # --- the sharded model ---------------------------------------------------------------------
@@ -389,8 +408,9 @@ def _torchao_fp8_on_cpu() -> None:
 
 def _capture_torchao(step: str):
     """The torchao-fp8 model sharded with the Torchao styles, through the pass (as
-    ``_capture``), against the same sharded model run eagerly and against the unquantized
-    model, sharded and on one process."""
+    ``_capture``): its relative error against the sharded model run eagerly, and the errors
+    of the fused, the eager sharded and the 1-process torchao models against the unquantized
+    model (on one process)."""
     from examples.tp_llama import TORCHAO, build, rel_err, shard
     from tests.passes.harness import run_pass
 
@@ -404,6 +424,9 @@ def _capture_torchao(step: str):
         model = shard(build(_config(), TORCHAO, bf16, "cpu"), _mesh(), 1, TORCHAO)
         ref, eager = unquantized(*args), model(*args)
         errs = {"eager": rel_err(eager, ref), "1 process": rel_err(single(*args), ref)}
+    # Each rank holds its shard only, not a view of the whole fp8 weight.
+    qdata = [m.weight.to_local().qdata for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    errs["compact"] = all(q.untyped_storage().nbytes() == q.numel() for q in qdata) and len(qdata) == 8
     r = run_pass(model, *args)
     errs["fused"] = rel_err(r.out, ref)
     return r.decisions, r.before, r.after, rel_err(r.out, eager), errs
@@ -413,6 +436,7 @@ def _capture_torchao(step: str):
 def test_torchao_fp8_model_fuses_every_linear_on_each_rank(ranks, step):
     """torchao's fp8 under the Torchao styles: DTensor shards at the mm, torchao's subclass runs
     on the shards, and the pass sees torchao's local epilogues (M <= 16: the fp8 rule fuses)."""
+    pytest.importorskip("torchao")
     for rank, (decisions, before, after, err, errs) in enumerate(ranks.run(_capture_torchao, step)):
         _check_decisions(rank, decisions, STEPS[step][0].numel(), {"scaled_mm_fp8_direct", "scaled_mm_fp8_epilogue"},
                          dtype="float8_e4m3fn")
@@ -420,6 +444,7 @@ def test_torchao_fp8_model_fuses_every_linear_on_each_rank(ranks, step):
         # hand-written styles), then the all-reduce(sum) of its output after the fused op.
         assert before.count("_c10d_functional.all_reduce(") == 2 and "all_gather_into_tensor" in before
         assert after.count("fusepass.scaled_mm(") == 8 and "aten._scaled_mm" not in after
+        assert errs["compact"], f"rank {rank}: a shard keeps the whole weight's storage"
         # The numerics policy (DESIGN.md): the fused model as close to the unquantized one as
         # the unfused graph, here the sharded model run eagerly, and as the 1-process model
         # (whose per-token scales differ). The fused logits differ from the eager ones by
@@ -444,14 +469,14 @@ def test_example_baseline_shards_the_unquantized_model(ranks):
         assert all(e < 1e-6 for e in errs.values()), f"rank {rank}: {errs}"
 
 
-def _example(quant: str):
+def _example(quant: str, new_tokens: int = 0):
     from examples.tp_llama import TORCHAO, run
 
     torch._dynamo.reset()
     if quant == TORCHAO:
         _torchao_fp8_on_cpu()
     dtype = torch.bfloat16 if quant == TORCHAO else torch.float32
-    return run(_mesh(), _config(), quant, PROMPT, new_tokens=0, reps=0, dtype=dtype)
+    return run(_mesh(), _config(), quant, PROMPT, new_tokens=new_tokens, reps=0, dtype=dtype)
 
 
 def test_example_compiles_with_the_backend_and_matches_one_process(ranks):
@@ -463,13 +488,16 @@ def test_example_compiles_with_the_backend_and_matches_one_process(ranks):
 
 
 def test_example_compiles_the_torchao_model(ranks):
-    """The example's ``run`` with torchao's fp8 (prefill, M = 8: the fp8 rule fuses), Inductor
-    for real: every linear fused on each rank, as close to the unquantized model as 1 process."""
+    """The example's ``run`` with torchao's fp8 and one decode step (M = 8 and 1: the fp8 rule
+    fuses), Inductor for real: every linear fused on each rank in both graphs, and explained
+    as compiled (static M), as close to the unquantized model as 1 process."""
+    pytest.importorskip("torchao")
     patterns = {"scaled_mm_fp8_direct", "scaled_mm_fp8_epilogue"}
-    for rank, r in enumerate(ranks.run(_example, "torchao-fp8")):
-        assert r.linears == 8 and sum(r.counters.values()) == 8 and set(r.counters) <= patterns, \
+    for rank, r in enumerate(ranks.run(_example, "torchao-fp8", 1)):
+        assert r.linears == 8 and sum(r.counters.values()) == 16 and set(r.counters) <= patterns, \
             f"rank {rank}: {r.counters}"
         _check_decisions(rank, r.report.decisions, PROMPT.numel(), patterns, dtype="float8_e4m3fn")
+        _check_decisions(rank, r.decode_report.decisions, 1, patterns, dtype="float8_e4m3fn")
         assert r.ok, f"rank {rank}: {r.err_float}"
 
 
@@ -500,3 +528,19 @@ def test_example_under_torchrun_on_two_gpus(mode, quant):
         assert f"[rank {rank}] compiled with backend='fusepass'" in stdout
         assert f"[rank {rank}] NVIDIA" in stdout and f"torch.compile {mode} mode" in stdout, stdout
     assert stdout.count("-> OK") == 2, stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "cpu", "--quant", "torchao-fp8"],
+     "--quant torchao-fp8 needs --device cuda: torchao quantizes to fp8 only on GPUs of compute capability >= 8.9"),
+    (["--device", "cuda", "--quant", "torchao-fp8", "--dtype", "float32"],
+     "--quant torchao-fp8 needs bfloat16 activations: torchao's per-row fp8 takes bf16 weights only"),
+    (["--device", "cuda", "--prompt-len", "16"],
+     "on cuda --batch x --prompt-len must be > 16: the eager 1-process reference runs torch._int_mm"),
+])
+def test_example_refuses_flags_it_cannot_run(argv, message, capsys):
+    from examples.tp_llama import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert message in capsys.readouterr().err
