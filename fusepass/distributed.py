@@ -105,6 +105,13 @@ def _weight(module: nn.Module, weight: str) -> torch.Tensor:
     return w
 
 
+def _one_dim(style, mesh) -> None:
+    """Refuse a mesh of more than one dimension: the styles' rank arithmetic (which rank holds
+    a Partial term, which slice) is over the tensor-parallel mesh alone."""
+    if mesh.ndim != 1:
+        raise ValueError(f"{type(style).__name__} needs a 1-D mesh, got a {mesh.ndim}-D one")
+
+
 def _apply(style, module: nn.Module, mesh, partition) -> nn.Module:
     return distribute_module(
         module, mesh, partition,
@@ -163,8 +170,7 @@ class QuantRowwiseParallel(RowwiseParallel):
         _weight(module, self.weight)
         for tname, t in list(_tensors(module)):
             if tname in self.partial_terms:
-                if mesh.ndim != 1:
-                    raise ValueError(f"QuantRowwiseParallel needs a 1-D mesh, got a {mesh.ndim}-D one")
+                _one_dim(self, mesh)
                 local = t.detach() if mesh.get_local_rank() == 0 else torch.zeros_like(t)
                 new = DTensor.from_local(local.to(mesh.device_type), mesh, [Partial("sum")], run_check=False)
             else:
@@ -187,8 +193,7 @@ def _slice_linear(style, dim: int, module: nn.Module, mesh) -> None:
         raise ValueError(f"{what}: each rank slices its own copy of the quantized weight (a torchao tensor cannot "
                          "be scattered): build and quantize the same model on every rank and pass src_data_rank=None "
                          "to parallelize_module")
-    if mesh.ndim != 1:
-        raise ValueError(f"{type(style).__name__} needs a 1-D mesh, got a {mesh.ndim}-D one")
+    _one_dim(style, mesh)
     if getattr(module, "bias", None) is not None:
         raise ValueError(f"{what}: a bias is not supported: on DTensors F.linear with a bias runs aten.addmm, which "
                          "torchao's quantized weights do not implement")
@@ -208,7 +213,7 @@ def _slice_linear(style, dim: int, module: nn.Module, mesh) -> None:
     except NotImplementedError as e:
         raise ValueError(f"{what}: DTensor cannot hold its {type(w).__name__} weight ({str(e).splitlines()[0][:200]}); "
                          "torchao's fp8 Float8Tensor can") from e
-    module.register_parameter("weight", nn.Parameter(new, requires_grad=w.requires_grad))
+    _register(module, "weight", w, new)
 
 
 class TorchaoColwiseParallel(ColwiseParallel):
