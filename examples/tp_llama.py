@@ -244,7 +244,7 @@ class Result:
     decode_report: fusepass.Report | None  # and of its decode step (with new_tokens)
     err_single: float  # relative error of the prefill logits vs the 1-process W8A8 model
     err_float: tuple  # (1-process, tensor-parallel) relative error vs the unquantized model
-    agree: int  # decode steps whose token the 1-process model picks too, given the same prefix
+    agree: int  # decoded tokens (all rows) the 1-process model picks too, given the same prefix
     compile_s: float
     times: dict | None = None  # {"fusepass": (prefill ms, decode ms), "unquantized": (...)}
 
@@ -310,7 +310,7 @@ def run(mesh, c: Config, quant: str, prompt, new_tokens: int, reps: int, dtype, 
                            if new_tokens else None),
             err_single=rel_err(logits, ref[:, :S]),
             err_float=(rel_err(ref[:, :S], float_logits), rel_err(logits, float_logits)),
-            agree=int((ref[:, S - 1:S - 1 + new_tokens].argmax(-1) == tokens).all(0).sum()),
+            agree=int((ref[:, S - 1:S - 1 + new_tokens].argmax(-1) == tokens).sum()),
             compile_s=compile_s,
         )
         if reps:
@@ -387,7 +387,7 @@ def main(argv=None) -> None:
         *([f"decode graph, fusepass.explain: {str(r.decode_report).splitlines()[0]}"] if r.decode_report else []),
         f"prefill logits vs the 1-process model: relative error {r.err_single:.2e}; vs the unquantized model: "
         f"{r.err_float[1]:.3e} (1 process: {r.err_float[0]:.3e}) -> {'OK' if r.ok else 'FAIL'}; greedy decode: "
-        f"{r.agree} of {args.new_tokens} tokens the 1-process model's",
+        f"{r.agree} of {args.batch * args.new_tokens} tokens the 1-process model's",
     ]
     if r.times is not None:
         label = "CPU" if device.type == "cpu" else torch.cuda.get_device_name(device)

@@ -505,12 +505,15 @@ def test_example_compiles_the_torchao_model(ranks):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("mode, quant", [("default", "int8"), ("reduce-overhead", "int8"), ("default", "torchao-fp8")])
 def test_example_under_torchrun_on_two_gpus(mode, quant):
+    if quant == "torchao-fp8":
+        pytest.importorskip("torchao")
     # Its own session, so that a hang (the NCCL communicator waiting at exit for CUDA graphs
     # that captured its all-reduces) kills the ranks too and fails here.
+    path = os.pathsep.join(filter(None, (REPO, os.environ.get("PYTHONPATH"))))  # keep the caller's (torchao)
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "examples/tp_llama.py",
          "--device", "cuda", "--layers", "1", "--new-tokens", "4", "--reps", "3", "--mode", mode, "--quant", quant],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": path}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=300)
