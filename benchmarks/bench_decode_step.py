@@ -13,7 +13,8 @@ with ``dynamic=False`` in default mode, and called on one decode step with a sta
 ``--steps`` steps after 3, ``perf_counter`` around the step and a synchronize), so the host's
 drift reaches every variant alike. ``torch.profiler`` then takes 5 steps: the host's time
 under the profiler, and on CUDA the kernels by family and their GPU time (``--profile-dir``
-keeps its tables). Writes ``results/<gpu>-<date>-decode-step.json``.
+keeps its tables). Writes ``results/<gpu>-<date>-decode-step.json`` (``-b16.json`` at
+``--batch 16``).
 
 ``--split-outside-graphs`` compiles the fusepass variants with
 ``PassConfig(split_k_outside_cuda_graphs=True)``, the decode split-K that compiled code outside
@@ -187,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--split-outside-graphs", action="store_true",
                     help="compile the fusepass variants with PassConfig(split_k_outside_cuda_graphs=True)")
-    ap.add_argument("--out", default=None, help="the JSON (default: results/<gpu>-<date>-decode-step.json)")
+    ap.add_argument("--out", default=None, help="the JSON (default: results/<gpu>-<date>-decode-step[-b<batch>].json)")
     ap.add_argument("--profile-dir", default=None, help="write each variant's profiler tables here")
     args = ap.parse_args(argv)
     if args.profile_dir and not os.path.isdir(args.profile_dir):
@@ -206,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                  args.profile_dir)
     print(table(result))
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"{result['gpu'].replace(' ', '_')}-{result['date']}-decode-step.json")
+                                   f"{result['gpu'].replace(' ', '_')}-{result['date']}-decode-step"
+                                   f"{'' if args.batch == 1 else f'-b{args.batch}'}.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {out}")

@@ -3,7 +3,8 @@
     torch.compile(model, backend="fusepass")                    # found via entry point
     torch.compile(model, options=fusepass.inductor_options())   # stock Inductor + the pass
 
-Both keep Inductor's FX graph cache on: the pass is a CustomGraphPass with a uuid().
+Both keep Inductor's FX graph cache on: the pass is a CustomGraphPass with a uuid(). The
+backend also compiles with Inductor choices of its own (``passes/choices.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .passes import FusePass, PassConfig
+from .passes.choices import decode_reductions
 from .passes.fuse_pass import INDUCTOR_PREFIX
 
 _HOOK = "post_grad_custom_pre_pass"  # why this hook: fusepass/passes/fuse_pass.py
@@ -106,6 +108,7 @@ def _counts() -> tuple[Counter, Counter]:
 def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
     """The ``fusepass`` backend: Inductor with the fusion pass; takes ``mode=``/``options=``
     as ``torch.compile`` passes them (e.g. ``mode="reduce-overhead"`` for CUDA graphs).
+    Inductor keeps decode-size row reductions in one kernel here (``passes/choices.py``).
 
     On an FX-graph-cache hit the pass does not run; ``counters["fusepass"]`` is filled
     from the counts Inductor replays from the cache entry (see ``fuse_pass.count``)."""
@@ -115,7 +118,8 @@ def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict 
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(options or {})
     (ours, inductor) = _counts()
-    compiled = compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
+    with decode_reductions():
+        compiled = compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
     (ours_now, inductor_now) = _counts()
     counters["fusepass"].update((inductor_now - inductor) - (ours_now - ours))  # replayed, not counted
     return compiled

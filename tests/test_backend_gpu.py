@@ -121,6 +121,30 @@ def test_decode_splits_k_only_in_cuda_graphs():
     assert counters["fusepass"] == {"scaled_mm_fp8_epilogue": 6}
 
 
+def test_decode_row_reductions_take_one_launch():
+    """A per-row int8 quantization of a 14336-wide activation at M = 1 (a W8A8 down_proj's
+    input) is one kernel under the backend, where stock Inductor on sm90 splits its amax into
+    three launches (fusepass/passes/choices.py); the same values either way (max is exact)."""
+    import fusepass
+
+    x = torch.randn(1, 14336, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)
+
+    def quantize(x):
+        scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-5) / 127
+        return (x / scale).round().clamp(-128, 127).to(torch.int8)
+
+    def launches(**compile_kwargs):
+        torch._dynamo.reset()
+        out, (code, *_) = run_and_get_code(torch.compile(quantize, **compile_kwargs), x)
+        return out, code.count(".run(")
+
+    (ours, n), (stock, n_stock) = launches(backend="fusepass"), launches(options=fusepass.inductor_options())
+    assert torch.equal(ours, stock) and torch.equal(ours, quantize(x))
+    if n_stock == 1:
+        pytest.skip("this torch's Inductor does not split the reduction here")
+    assert n == 1, (n, n_stock)
+
+
 def test_torchao_int8_dynamic_on_gpu():
     torchao = pytest.importorskip("torchao")
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_

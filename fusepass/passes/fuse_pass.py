@@ -19,6 +19,7 @@ from pathlib import Path
 import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.virtualized import V
 
 from .graph import Rejected, aten, location, module_path
 from .lower import lower
@@ -150,4 +151,6 @@ class FusePass(CustomGraphPass):
         return d
 
     def uuid(self) -> bytes:
-        return get_hash_for_files(_SOURCES, extra=repr(self.config))
+        # The choices in force too: the backend compiles with DecodeReductionChoices, stock
+        # Inductor with its own, and Inductor's own key does not tell them apart (choices.py).
+        return get_hash_for_files(_SOURCES, extra=f"{self.config!r}|{type(V.choices).__qualname__}")
