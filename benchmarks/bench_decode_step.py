@@ -49,6 +49,10 @@ VARIANTS = {
     "int8": ("int8", "torchao", True),
     "int8-handwritten": ("int8", "handwritten", True),
 }
+# The same with fusepass's grouping of sibling matmuls off (PassConfig(group_max_m=0)): the
+# A/B of run 12's one launch for q/k/v and for gate/up.
+UNGROUPED = "-ungrouped"
+VARIANTS.update({name + UNGROUPED: spec for name, spec in VARIANTS.items() if spec[2]})
 CUDA_SIZES = models.Sizes(4, 4096, 14336, 32, 8, 32000)  # Llama-3-8B layers, the demo's CUDA default
 CPU_SIZES = models.Sizes(1, 256, 512, 4, 2, 1024)  # a smoke run: CPU timings say nothing of a GPU's
 MAX_LEN = 64
@@ -69,13 +73,13 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
-def compile_variant(model, fused: bool, split_outside_graphs: bool):
+def compile_variant(model, fused: bool, split_outside_graphs: bool, grouped: bool = True):
     if not fused:
         return torch.compile(model, dynamic=False)
-    if split_outside_graphs:
-        config = fusepass.PassConfig(split_k_outside_cuda_graphs=True)
-        return torch.compile(model, dynamic=False, options=fusepass.inductor_options(config=config))
-    return torch.compile(model, backend="fusepass", dynamic=False)
+    config = fusepass.PassConfig(split_k_outside_cuda_graphs=split_outside_graphs,
+                                 group_max_m=fusepass.PassConfig.group_max_m if grouped else 0)
+    # (the backend keeps the PassConfig of its options)
+    return torch.compile(model, backend="fusepass", dynamic=False, options=fusepass.inductor_options(config=config))
 
 
 def step_ms(fn, inputs: dict, steps: int, device: torch.device) -> float:
@@ -140,7 +144,7 @@ def run(variants: list[str], sizes: models.Sizes, batch: int, rounds: int, steps
             quant, quantizer, fused = VARIANTS[name]
             model = base if quant is None else models.quantized_copy(base, quant, quantizer)
             inputs = models.decode_inputs(ids, models.static_cache(model, batch, MAX_LEN))
-            fn = compile_variant(model, fused, split_outside_graphs)
+            fn = compile_variant(model, fused, split_outside_graphs, grouped=not name.endswith(UNGROUPED))
             t = time.perf_counter()
             with torch.no_grad():
                 step_ms(fn, inputs, 1, device)  # compiles

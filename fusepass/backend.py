@@ -118,7 +118,7 @@ def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict 
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(options or {})
     (ours, inductor) = _counts()
-    with decode_reductions():
+    with decode_reductions(patches):
         compiled = compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
     (ours_now, inductor_now) = _counts()
     counters["fusepass"].update((inductor_now - inductor) - (ours_now - ours))  # replayed, not counted

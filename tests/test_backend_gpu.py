@@ -1,6 +1,7 @@
 """End to end on a GPU: a small W8A8 model compiled with backend="fusepass"."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -178,3 +179,54 @@ def test_rowwise_scaled_mm_at_decode_size():
     exact = (a.double() @ w.double().t()) * sa.double() * sb.double() + bias.double()
     eager = f(a, w.t(), sa, sb, bias)
     _check(out, eager, exact)
+
+
+class _QKV(torch.nn.Module):
+    """Three sibling quantized linears of one input (attention's q, k and v)."""
+
+    def __init__(self, dtype, dim=4096, kv=1024, bias=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        w = lambda n: torch.randn(n, dim, generator=g) / dim**0.5  # noqa: E731
+        b = lambda n: torch.randn(n, generator=g) if bias else None  # noqa: E731
+        from tests.models import W8A8Linear
+
+        self.q, self.k, self.v = (W8A8Linear(w(n), b(n), dtype) for n in (dim, kv, kv))
+
+    def forward(self, x):
+        return self.q(x), self.k(x), self.v(x)
+
+
+@pytest.mark.parametrize("dtype", list(CASES), ids=["int8", "fp8"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_sibling_linears_take_one_launch(dtype, bias):
+    """q/k/v at M = 1: one grouped kernel launch instead of three, the same values as the
+    ungrouped compile (int8: bit for bit, exact int32 sums; fp8: another BLOCK_K may sum in
+    another order), close to the float linears."""
+    import fusepass
+    from fusepass.passes import PassConfig
+
+    model = _QKV(dtype, bias=bias).cuda().eval()
+    x = torch.randn(1, 1, 4096, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+
+    def compiled(config):
+        torch._dynamo.reset()
+        options = fusepass.inductor_options(config=config)
+        with torch.no_grad():
+            out, (code, *_) = run_and_get_code(torch.compile(model, backend="fusepass", options=options), x)
+        return out, code
+
+    grouped, code = compiled(None)
+    ungrouped, code_ungrouped = compiled(PassConfig(group_max_m=0))
+    launches = lambda name, code: len(re.findall(rf"\b{name}\w*\.run\(", code))  # noqa: E731
+    assert launches("scaled_mm_group_kernel", code) == 1 and launches("scaled_mm_kernel", code) == 0, code
+    assert launches("scaled_mm_kernel", code_ungrouped) == 3
+    rel = lambda y, ref: ((y.double() - ref).norm() / ref.norm()).item()  # noqa: E731
+    for g, u, lin in zip(grouped, ungrouped, (model.q, model.k, model.v)):
+        # (eager int8 cannot run: torch._int_mm needs M > 16 on CUDA) the float linear the
+        # quantized one approximates
+        w = lin.wq.double() * lin.ws.double().t()
+        exact = x.double().reshape(1, -1) @ w.t() + (0 if lin.bias is None else lin.bias.double())
+        if dtype == torch.int8:
+            assert torch.equal(g, u)
+        assert rel(g.reshape(1, -1), u.reshape(1, -1).double()) < 1e-2 and rel(g.reshape(1, -1), exact) < 0.05

@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fusepass.backend import fusepass_backend
+from fusepass.passes.group import NAME as GROUPED
 from fusepass.passes.route import ROUTED
 
 pytestmark = pytest.mark.gpu
@@ -66,6 +67,8 @@ def test_torchao_llama_generates_fused(bf16_model, quant, batch):
     assert not fused.error, fused.error
     found = dict(counters["fusepass"])
     assert ROUTED not in found, found
+    # the decode graph's q/k/v: one launch (zero-point ops, int8-asym's, are not grouped)
+    assert (found.pop(GROUPED, 0) >= 1) == (quant != "int8-asym"), found
     graphs = 2 if prefill_fuses else 1  # prefill and decode
     assert sum(found.values()) == graphs * LINEARS and set(found) <= set(patterns), found
 

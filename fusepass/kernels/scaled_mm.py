@@ -80,6 +80,52 @@ def _epilogue(
 
 
 @triton.jit
+def mma(a_tile, b_tile, acc, BLOCK_K: tl.constexpr):
+    """``acc + a_tile @ b_tile``: int8 into int32, fp8 into fp32."""
+    if a_tile.dtype == tl.int8:
+        acc = tl.dot(a_tile, b_tile, acc, out_dtype=tl.int32)
+    else:
+        # Hopper's fp8 MMAs add at reduced precision; fold each BLOCK_K slice into the fp32
+        # accumulator, as cuBLAS does without fast accumulation. At 4096^3 on H200: max
+        # error 2.4e-5 of sum|a*b| (torch._scaled_mm: same) vs 5.4e-4 without.
+        acc = tl.dot(a_tile, b_tile, acc, max_num_imprecise_acc=BLOCK_K)
+    return acc
+
+
+@triton.jit
+def pointer_mainloop(
+    acc,  # (BLOCK_M, BLOCK_N) int32 or fp32 zeros
+    a_ptr, b_ptr,  # (M, K), (K, N)
+    offs_m, offs_n,  # (BLOCK_M,), (BLOCK_N,) int64, wrapped into range
+    k_first, k_end, K,  # the K blocks [k_first, k_end) of this program
+    stride_am, stride_ak, stride_bk, stride_bn,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask
+):
+    """Sum K blocks [k_first, k_end) of a tile into ``acc`` through pointer loads; ragged K
+    is masked with zeros."""
+    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # (BLOCK_K,)
+    k0 = tl.cast(k_first, tl.int64) * BLOCK_K  # (k_first may be a literal 0)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
+    b_ptrs = b_ptr + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
+    step_a = tl.cast(stride_ak, tl.int64) * BLOCK_K
+    step_b = tl.cast(stride_bk, tl.int64) * BLOCK_K
+    for kb in range(k_first, k_end):
+        if EVEN_K:
+            a_tile = tl.load(a_ptrs)
+            b_tile = tl.load(b_ptrs)
+        else:
+            k_left = K - kb * BLOCK_K
+            # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
+            a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        a_ptrs += step_a
+        b_ptrs += step_b
+        acc = mma(a_tile, b_tile, acc, BLOCK_K)
+    return acc
+
+
+@triton.jit
 def scaled_mm_kernel(
     # Operands
     a_ptr, b_ptr, out_ptr,  # (M, K), (K, N), (M, N)
@@ -116,46 +162,23 @@ def scaled_mm_kernel(
     # 64-bit row/column indices; rows/columns past the edge wrap around to valid ones.
     offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # (BLOCK_M,)
     offs_n = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # (BLOCK_N,)
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # (BLOCK_K,)
-    if USE_TMA:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])  # (M, K)
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])  # b.T: (N, K)
-    else:
-        k0 = k_first.to(tl.int64) * BLOCK_K
-        a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k0 + offs_k)[None, :] * stride_ak  # (BLOCK_M, BLOCK_K)
-        b_ptrs = b_ptr + (k0 + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)
-        step_a = tl.cast(stride_ak, tl.int64) * BLOCK_K
-        step_b = tl.cast(stride_bk, tl.int64) * BLOCK_K
-
     in_dtype: tl.constexpr = a_ptr.dtype.element_ty
     if in_dtype == tl.int8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(k_first, k_end):
-        if USE_TMA:
+    if USE_TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])  # (M, K)
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_bn, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])  # b.T: (N, K)
+        for kb in range(k_first, k_end):
             a_tile = a_desc.load([pid_m * BLOCK_M, kb * BLOCK_K])  # (BLOCK_M, BLOCK_K)
             b_tile = b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]).T  # (BLOCK_K, BLOCK_N)
-        else:
-            if EVEN_K:
-                a_tile = tl.load(a_ptrs)
-                b_tile = tl.load(b_ptrs)
-            else:
-                k_left = K - kb * BLOCK_K
-                # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
-                a_tile = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b_tile = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            a_ptrs += step_a
-            b_ptrs += step_b
-        if in_dtype == tl.int8:
-            acc = tl.dot(a_tile, b_tile, acc, out_dtype=tl.int32)
-        else:
-            # Hopper's fp8 MMAs add at reduced precision; fold each BLOCK_K slice into the
-            # fp32 accumulator, as cuBLAS does without fast accumulation. At 4096^3 on H200:
-            # max error 2.4e-5 of sum|a*b| (torch._scaled_mm: same) vs 5.4e-4 without.
-            acc = tl.dot(a_tile, b_tile, acc, max_num_imprecise_acc=BLOCK_K)
+            acc = mma(a_tile, b_tile, acc, BLOCK_K)
+    else:
+        acc = pointer_mainloop(acc, a_ptr, b_ptr, offs_m, offs_n, k_first, k_end, K,
+                               stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K)
 
     # Store with unwrapped indices so the wrapped (duplicate) rows/columns are masked off.
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)

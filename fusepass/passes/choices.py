@@ -8,7 +8,10 @@ A W8A8 Llama MLP's down_proj quantizes a 14336-wide activation per row, so each 
 launches more than it needed, and a default-mode decode step is bound by its launches
 (benchmarks/NOTES.md, run 11). Up to ``MAX_UNSPLIT`` elements (Llama-3-70B's 28672 included)
 one program per row reads at most 64 KB of bf16; above it, or with more rows, and on other
-devices, Inductor's own rule decides.
+devices (ROCm included: not measured there), Inductor's own rule decides. The rows are
+Inductor's size hint: a graph with a symbolic M keeps the choice of its example's M.
+Forward (inference) graphs only: AOTAutograd compiles a backward at the first
+``.backward()``, after the backend's compile has returned, with Inductor's choices.
 
 The fusepass backend compiles inside ``decode_reductions()``. ``FusePass.uuid()`` names the
 choices class in force, so Inductor's FX graph cache keeps this code apart from stock
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 
+import torch
 from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 
@@ -35,17 +39,19 @@ class DecodeReductionChoices(InductorChoices):
 
     @staticmethod
     def reduction_split_factor(device, reduction_numel_hint: int, numel_hint: int, inner_reduction: bool) -> int:
-        if (device.type == "cuda" and inner_reduction and numel_hint <= DECODE_ROWS
+        if (device.type == "cuda" and torch.version.hip is None and inner_reduction and numel_hint <= DECODE_ROWS
                 and reduction_numel_hint <= MAX_UNSPLIT):
             return 1
         return InductorChoices.reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction)
 
 
 @contextlib.contextmanager
-def decode_reductions():
+def decode_reductions(options: dict | None = None):
     """Compile with ``DecodeReductionChoices`` in force, unless a choices handler of the
-    caller's own is (theirs is kept) or this torch's Inductor has no split-factor choice."""
-    if type(V.choices) is not InductorChoices or not hasattr(InductorChoices, "reduction_split_factor"):
+    caller's own is (set on ``V``, or as ``options["inductor_choices_class"]``: theirs is kept)
+    or this torch's Inductor has no split-factor choice."""
+    if ((options or {}).get("inductor_choices_class") is not None or type(V.choices) is not InductorChoices
+            or not hasattr(InductorChoices, "reduction_split_factor")):
         log.debug("fusepass: Inductor's choices %s kept; decode reductions split as they decide",
                   type(V.choices).__name__)
         yield

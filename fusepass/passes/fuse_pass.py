@@ -22,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.virtualized import V
 
 from .graph import Rejected, aten, location, module_path
+from .group import NAME as GROUPED, group_siblings
 from .lower import lower
 from .patterns import PATTERNS
 from .rewrite import emit
@@ -60,6 +61,9 @@ class PassConfig:
     # captures the compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor
     # cannot see.
     split_k_outside_cuda_graphs: bool = False
+    # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v, gate/up) at a static M up
+    # to this run as one scaled_mm_group launch (passes/group.py); 0 turns grouping off.
+    group_max_m: int = 16
 
     def __post_init__(self):
         unknown = set(self.patterns) - set(PATTERNS)
@@ -121,6 +125,10 @@ class FusePass(CustomGraphPass):
                 if d is not None:  # the first pattern that recognizes the matmul decides
                     decisions.append(d)
                     break
+        if self.config.group_max_m > 0:
+            for names in group_siblings(graph, self.config.group_max_m):
+                count(GROUPED)
+                log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
         if any(d.fused or d.rerouted for d in decisions):
             graph.eliminate_dead_code()
             graph.lint()
@@ -153,4 +161,7 @@ class FusePass(CustomGraphPass):
     def uuid(self) -> bytes:
         # The choices in force too: the backend compiles with DecodeReductionChoices, stock
         # Inductor with its own, and Inductor's own key does not tell them apart (choices.py).
-        return get_hash_for_files(_SOURCES, extra=f"{self.config!r}|{type(V.choices).__qualname__}")
+        choices = type(V.choices)
+        handler_uuid = getattr(V.choices, "uuid", lambda: None)()  # (a handler with state of its own)
+        return get_hash_for_files(_SOURCES, extra=f"{self.config!r}|{choices.__module__}.{choices.__qualname__}"
+                                                  f"|{handler_uuid}")

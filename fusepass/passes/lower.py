@@ -70,7 +70,8 @@ def _trace(node: fx.Node) -> tuple[fx.GraphModule, list] | None:
     from torch._inductor.decomposition import select_decomp_table
 
     impl, args = IMPLS[node.target], _arguments(node)
-    tensors = [a for a in args if isinstance(a, fx.Node)]
+    # Tensor arguments, list ones (scaled_mm_group's) flattened.
+    tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, fx.Node)]
     fakes = [t.meta["val"] for t in tensors]
     symbols = sorted(set().union(*map(free_symbols, fakes)), key=str)
     sources = [_symbol_source(node.graph, s) for s in symbols]
@@ -80,9 +81,10 @@ def _trace(node: fx.Node) -> tuple[fx.GraphModule, list] | None:
 
     def fn(*values):
         it = iter(values[:len(tensors)])
+        take = lambda a: next(it) if isinstance(a, fx.Node) else a  # noqa: E731
         token = GRAPH_SYMBOLS.set(values[len(tensors):])
         try:
-            return impl(*[next(it) if isinstance(a, fx.Node) else a for a in args])
+            return impl(*[[take(x) for x in a] if isinstance(a, (list, tuple)) else take(a) for a in args])
         finally:
             GRAPH_SYMBOLS.reset(token)
 
@@ -104,8 +106,13 @@ def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list) ->
     placeholders = gm.graph.find_nodes(op="placeholder")
     with graph.inserting_before(node):
         out = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
-    out.meta["stack_trace"] = node.meta.get("stack_trace")
-    node.replace_all_uses_with(out)
+    if isinstance(out, (list, tuple)):  # scaled_mm_group: its users are getitems
+        for user in list(node.users):
+            user.replace_all_uses_with(out[user.args[1]])
+            graph.erase_node(user)
+    else:
+        out.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(out)
     graph.erase_node(node)
 
 
@@ -115,7 +122,8 @@ def lower(graph: fx.Graph) -> int:
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in IMPLS:
             continue
-        if node.meta["val"].device.type == "cuda" and INTERPRETED:
+        val = node.meta["val"]
+        if (val[0] if isinstance(val, (list, tuple)) else val).device.type == "cuda" and INTERPRETED:
             continue  # the interpreter's kernels cannot be traced: the op call stays
         traced = _trace(node)
         if traced is None:  # left as an op call: slower to launch, as correct

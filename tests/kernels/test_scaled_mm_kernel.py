@@ -261,7 +261,7 @@ def test_decode_splits_where_launches_are_hidden(cudagraphs, outside):
 
 def test_launch_asks_for_the_split_the_policy_gives(monkeypatch):
     """The launch code's wiring: eagerly, traced with a static M, traced with a symbolic one."""
-    p = make_problem(3, 64, 256)
+    p = make_problem(3, 64, 256, device=DEVICE)
     run = lambda *t: launch_scaled_mm(*t, torch.float32)  # noqa: E731
     assert record_split_requests(monkeypatch, launch, run, (p.a, p.b, p.scale_a, p.scale_b)) == SPLIT_REQUESTS
 

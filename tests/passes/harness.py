@@ -26,6 +26,14 @@ def _fmt_arg(a) -> str:
     return repr(a)
 
 
+def _fmt_val(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{_DTYPE.get(v.dtype, v.dtype)}{list(v.shape)}"
+    if isinstance(v, (list, tuple)) and v and all(isinstance(t, torch.Tensor) for t in v):
+        return "(" + ", ".join(map(_fmt_val, v)) + ")"
+    return ""
+
+
 def format_graph(gm: fx.GraphModule, names=()) -> str:
     """One line per op: ``name: dtype[shape] = op(args)``; inputs renamed to ``names``."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -35,8 +43,9 @@ def format_graph(gm: fx.GraphModule, names=()) -> str:
         if n.op == "call_function":
             args = [_fmt_arg(a) for a in n.args] + [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()]
             v = n.meta.get("val")
-            ty = f"{_DTYPE.get(v.dtype, v.dtype)}{list(v.shape)}" if isinstance(v, torch.Tensor) else ""
-            target = str(n.target).replace(".default", "").replace("torch.ops.", "")
+            ty = _fmt_val(v)
+            target = n.target.__name__ if n.target.__module__ == "_operator" else str(n.target)
+            target = target.replace(".default", "").replace("torch.ops.", "")
             lines.append(f"{n.name}: {ty} = {target}({', '.join(args)})")
         elif n.op == "output":
             lines.append(f"return {_fmt_arg(n.args[0])}")
@@ -102,3 +111,11 @@ def assert_policy(fused, eager, ref) -> None:
     assert e_fused <= e_eager + 4 * 2.0**-24 * scale, (
         f"fused error {e_fused / scale:.3g} > unfused {e_eager / scale:.3g} (relative)"
     )
+
+
+def fused_calls(after: str) -> int:
+    """Fused matmuls in a rewritten graph (``format_graph``): scaled_mm / scaled_mm_azp calls,
+    and each member of a scaled_mm_group call (its list of weights)."""
+    calls = len(re.findall(r"= fusepass\.scaled_mm(?:_azp)?\(", after))
+    members = re.findall(r"= fusepass\.scaled_mm_group\([^,]+, \[([^\]]*)\]", after)
+    return calls + sum(len(m.split(", ")) for m in members)

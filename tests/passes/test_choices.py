@@ -65,3 +65,27 @@ def test_a_callers_own_choices_are_kept(monkeypatch):
         with decode_reductions():
             assert type(V.choices) is Mine
     assert seen[0][0] is Mine
+
+
+def test_choices_given_as_an_option_are_kept(monkeypatch):
+    class Mine(InductorChoices):
+        pass
+
+    seen = _spy_compile(monkeypatch)
+    fusepass.fusepass_backend(None, [], options={"inductor_choices_class": Mine})
+    assert seen[0][0] is InductorChoices  # compile_fx applies the option itself; not replaced here
+
+
+def test_restored_after_a_failed_compile(monkeypatch):
+    def compile_fx(gm, example_inputs, config_patches):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", compile_fx)
+    with pytest.raises(RuntimeError, match="boom"):
+        fusepass.fusepass_backend(None, [])
+    assert type(V.choices) is InductorChoices
+
+
+def test_rocm_follows_inductor(stock_says_7, monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.2")
+    assert DecodeReductionChoices.reduction_split_factor(CUDA, 14336, 1, True) == 7

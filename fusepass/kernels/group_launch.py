@@ -1,0 +1,80 @@
+"""Configuration and launch of the grouped GEMM (``group.py``), in the traceable style of
+``launch.py``: eagerly the kernel launches through Triton; traced (the op inlined by
+``fusepass.passes.lower``) the launch is a ``wrap_triton`` node Inductor launches itself.
+
+The config is the tuned one of the fused weight the members make together, (M, sum N_i, K):
+that is the GEMM the launch runs (Llama-3-8B's q/k/v make the 6144 x 4096 weight the table
+has). Unsplit and with pointer loads, whatever the table says for that shape (``group.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+from torch.library import wrap_triton
+
+from .configs import Config, cdiv, fit, select_config
+from .group import scaled_mm_group_kernel
+from .launch import INTERPRETED, _flat, _per_element, _plain, _traced, on_device
+
+MAX_MEMBERS = 4  # the kernel's member arguments
+
+
+def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device) -> Config:
+    """The tuned config of (M, sum(Ns), K), unsplit, pointer loads, fitted to the widest member."""
+    cfg = select_config(M, sum(Ns), K, dtype, device, split_decode=False)
+    return fit(replace(cfg, split_k=1, tma=False), max(Ns), K)
+
+
+def launch_scaled_mm_group(
+    a: torch.Tensor,
+    bs: list,
+    scale_a: torch.Tensor,
+    scale_bs: list,
+    out_dtype: torch.dtype,
+    biases: list,
+    config: Config | None = None,
+) -> list:
+    """Run the grouped kernel on validated inputs (K >= 1, a static M, 2..4 members of one
+    weight layout and epilogue variant) and return the new (M, N_i) outputs. ``config``
+    overrides the table (tests)."""
+    M, K = a.shape
+    Ns = [b.shape[1] for b in bs]
+    outs = [torch.empty_strided((M, N), (N, 1), dtype=out_dtype, device=a.device) for N in Ns]
+    fake = _traced(a)
+    if statically_known_true(M == 0) or (INTERPRETED and fake):
+        return outs
+    if not all(map(is_concrete_int, (M, K, *Ns))):
+        raise ValueError("fusepass.scaled_mm_group: sizes must be static (the pass groups static decode sizes)")
+    cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device)
+    scale_a = _flat(scale_a, fake)
+    scale_bs = [_flat(s, fake) for s in scale_bs]
+    biases = [_flat(b, fake) for b in biases]
+    pad = [None] * (MAX_MEMBERS - len(bs))
+    grid = (cdiv(M, cfg.block_m) * sum(cdiv(N, cfg.block_n) for N in Ns),)
+    wrap = wrap_triton if fake else _plain
+
+    def launch():
+        wrap(scaled_mm_group_kernel)[grid](
+            a, scale_a,
+            *bs, *pad,
+            *outs, *pad,
+            *scale_bs, *pad,
+            *biases, *pad,
+            M, K,
+            *Ns, *([0] * len(pad)),
+            a.stride(0), a.stride(1),
+            bs[0].stride(0), bs[0].stride(1),
+            SCALE_A_PER_TOKEN=_per_element(scale_a),
+            SCALE_B_PER_CHANNEL=_per_element(scale_bs[0]),
+            HAS_BIAS=biases[0] is not None,
+            MEMBERS=len(bs),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EVEN_K=statically_known_true(K % cfg.block_k == 0),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return outs
+
+    return on_device(a, fake, launch)

@@ -1,0 +1,129 @@
+"""Group sibling fused matmuls at decode sizes into one ``fusepass.scaled_mm_group`` call.
+
+Matches: after the rewrites, 2 or more ``fusepass.scaled_mm`` calls whose activation and
+activation scale are the same value (the same node, or nodes computing it by the same pure
+ops from the same inputs: each linear quantizes its input itself, so a Llama layer's q, k
+and v hold three copies of one quantization), with the same ``out_dtype``, weights of one
+layout, one scale granularity and bias or none, at a static M of at most
+``PassConfig.group_max_m``, none computed from another's result.
+
+Becomes: one ``fusepass.scaled_mm_group`` call per 2 to 4 such calls (in graph order), each
+member's users reading its item of the result; the copies of the quantization then go dead.
+
+Why: a default-mode decode step is host-bound, and a launch costs host time; the group is
+one launch where there were 2-4 (q/k/v and gate/up: 3 of a Llama layer's 7 GEMM launches).
+Prefill sizes keep their own tuned launches (``scaled_mm``'s TMA and split configs).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._inductor.pattern_matcher import stable_topological_sort
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+from ..kernels.group_launch import MAX_MEMBERS
+from ..kernels.launch import _per_element
+from .graph import Inserter, tensor_val
+
+fusepass = torch.ops.fusepass
+NAME = "scaled_mm_group"
+
+
+def _pure(node: fx.Node) -> bool:
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags)
+
+
+def _frozen(arg, ids: dict):
+    """A hashable stand-in for an argument: nodes by value id, lists as tuples."""
+    if isinstance(arg, fx.Node):
+        return ("node", ids[arg])
+    if isinstance(arg, (list, tuple)):
+        return tuple(_frozen(x, ids) for x in arg)
+    if isinstance(arg, dict):
+        return tuple(sorted((k, _frozen(v, ids)) for k, v in arg.items()))
+    try:
+        hash(arg)
+        return arg
+    except TypeError:
+        return repr(arg)
+
+
+def value_ids(graph: fx.Graph) -> dict:
+    """Node -> an id that two nodes share when they compute the same value: the same pure
+    op on arguments of the same ids (hash-consing, one pass in graph order)."""
+    ids, table = {}, {}
+    for node in graph.nodes:
+        if _pure(node):
+            key = (node.target, _frozen(node.args, ids), _frozen(node.kwargs, ids))
+            ids[node] = table.setdefault(key, len(table))
+        else:
+            ids[node] = table.setdefault(("node", id(node)), len(table))
+    return ids
+
+
+def _group_key(node: fx.Node, ids: dict, max_m: int):
+    """What members of one group share; None for a call that cannot join a group."""
+    a, b, scale_a, scale_b, out_dtype, bias = node.args
+    M = tensor_val(a).shape[0]
+    if not is_concrete_int(M) or int(M) > max_m:
+        return None
+    vb = tensor_val(b)
+    return (ids[a], ids[scale_a], out_dtype, tuple(vb.stride()), _per_element(tensor_val(scale_b)), bias is None)
+
+
+def _independent(members: list) -> list:
+    """The members (in graph order) none of which is computed from an earlier one's result."""
+    kept, tainted = [members[0]], {members[0]}
+    node = members[0].next
+    while node is not members[-1].next:
+        if node in members and not any(arg in tainted for arg in node.all_input_nodes):
+            kept.append(node)
+            tainted.add(node)
+        elif any(arg in tainted for arg in node.all_input_nodes):
+            tainted.add(node)
+        node = node.next
+    return kept
+
+
+def _replace(graph: fx.Graph, members: list) -> None:
+    a, _, scale_a, _, out_dtype, _ = members[0].args
+    ins = Inserter(graph, members[-1])
+    group = ins.call(fusepass.scaled_mm_group.default, a, [m.args[1] for m in members], scale_a,
+                     [m.args[3] for m in members], out_dtype, [m.args[5] for m in members])
+    for i, member in enumerate(members):
+        with graph.inserting_before(members[-1]):
+            item = graph.call_function(operator.getitem, (group, i))
+        item.meta["val"] = group.meta["val"][i]
+        item.meta["stack_trace"] = member.meta.get("stack_trace")
+        member.replace_all_uses_with(item)
+        graph.erase_node(member)
+
+
+def group_siblings(graph: fx.Graph, max_m: int) -> list[list[str]]:
+    """Replace each group of sibling ``scaled_mm`` calls (see the module docstring) by one
+    ``scaled_mm_group`` call; returns the names of the calls grouped, per group."""
+    calls = [n for n in graph.find_nodes(op="call_function", target=fusepass.scaled_mm.default)]
+    if len(calls) < 2:
+        return []
+    ids = value_ids(graph)
+    by_key: dict = {}
+    for node in calls:
+        key = _group_key(node, ids, max_m)
+        if key is not None:
+            by_key.setdefault(key, []).append(node)
+    done = []
+    for siblings in by_key.values():
+        while len(siblings) >= 2:
+            members = _independent(siblings)[:MAX_MEMBERS]
+            siblings = [s for s in siblings if s not in members]
+            if len(members) >= 2:
+                done.append([m.name for m in members])
+                _replace(graph, members)
+    if done:
+        stable_topological_sort(graph)
+    return done

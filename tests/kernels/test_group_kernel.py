@@ -1,0 +1,59 @@
+"""The grouped kernel (Triton's interpreter on CPU, the GPU when there is one): each member
+bit for bit the plain kernel's result on the same operands (int8: exact sums; fp8: the same
+BLOCK_K, so the same order), over member counts, ragged sizes and epilogue variants."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fusepass.kernels import launch_scaled_mm
+from fusepass.kernels.group_launch import group_config, launch_scaled_mm_group
+from tests.helpers import make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# (M, [N_i], K): Llama-like q/k/v and gate/up at toy size, ragged N and K, one K block, M
+# over several tiles.
+SHAPES = [(1, [64, 16, 16], 64), (5, [40, 100], 33), (16, [32, 32, 48, 16], 256), (33, [17, 64], 130)]
+VARIANTS = [
+    dict(),  # per-token x per-channel
+    dict(sa_shape=(), sb_shape=(), bias_dtype=torch.bfloat16),
+    dict(sa_shape=(1,), bias_dtype=torch.float32),
+]
+
+
+def _members(M, Ns, K, dtype, variant):
+    problems = [make_problem(M, N, K, dtype, device=DEVICE, seed=i, **VARIANTS[variant]) for i, N in enumerate(Ns)]
+    a, scale_a = problems[0].a, problems[0].scale_a
+    return a, scale_a, problems
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("M,Ns,K", SHAPES)
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_each_member_is_the_plain_kernels_result(dtype, M, Ns, K, variant):
+    a, scale_a, problems = _members(M, Ns, K, dtype, variant)
+    cfg = group_config(M, Ns, K, dtype, torch.device(DEVICE))
+    outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
+                                  torch.bfloat16, [p.bias for p in problems], config=cfg)
+    assert len(outs) == len(Ns)
+    for out, p in zip(outs, problems):
+        want = launch_scaled_mm(a, p.b, scale_a, p.scale_b, torch.bfloat16, p.bias, config=cfg)
+        assert out.shape == want.shape and out.is_contiguous()
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_many_tiles_per_member():
+    """Many tiles per member (BLOCK_N = 16): each lands where the plain kernel puts it."""
+    a, scale_a, problems = _members(3, [50, 70, 20], 64, torch.int8, 0)
+    cfg = dataclasses.replace(group_config(3, [50, 70, 20], 64, torch.int8, torch.device(DEVICE)), block_n=16)
+    outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
+                                  torch.float32, [None] * 3, config=cfg)
+    for out, p in zip(outs, problems):
+        torch.testing.assert_close(out, launch_scaled_mm(a, p.b, scale_a, p.scale_b, torch.float32), rtol=0, atol=0)
+
+
+def test_config_is_the_fused_weights_unsplit_with_pointer_loads():
+    cfg = group_config(1, [4096, 1024, 1024], 4096, torch.int8, torch.device(DEVICE))
+    assert cfg.split_k == 1 and not cfg.tma

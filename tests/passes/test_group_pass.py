@@ -1,0 +1,133 @@
+"""Grouping sibling fused matmuls (fusepass/passes/group.py): q/k/v-style siblings at decode
+sizes become one fusepass.scaled_mm_group call, with the same values; and every case that
+must stay apart."""
+
+import expecttest
+import torch
+
+from fusepass.passes import PassConfig
+from tests.models import W8A8Linear
+
+F = torch.nn.functional
+DIM = 64
+
+
+class Siblings(torch.nn.Module):
+    """``n`` quantized linears of one input (q/k/v: n = 3); each quantizes the input itself."""
+
+    def __init__(self, widths=(64, 16, 16), dtype=torch.int8, bias=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.linears = torch.nn.ModuleList(
+            W8A8Linear(torch.randn(n, DIM, generator=g) / DIM**0.5, torch.randn(n, generator=g) if bias else None, dtype)
+            for n in widths)
+
+    def forward(self, x):
+        return [lin(x) for lin in self.linears]
+
+
+def x_of(rows, seed=1):
+    return torch.randn(rows, DIM, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def run(fn, *args, **config):
+    from tests.passes.harness import run_pass
+
+    return run_pass(fn, *args, config=PassConfig(**config) if config else None)
+
+
+def grouped_calls(r) -> list[int]:
+    """Members of each scaled_mm_group call in the rewritten graph."""
+    return [line.count("permute") for line in r.after.splitlines() if "fusepass.scaled_mm_group(" in line]
+
+
+class TestGroup(expecttest.TestCase):
+    def test_qkv_at_decode_is_one_call(self):
+        r = run(Siblings(), x_of(1))
+        self.assertEqual(r.counts, {"int_mm_scaled": 3, "scaled_mm_group": 1})
+        self.assertExpectedInline(r.after, """\
+abs_1: bf16[1, 64] = aten.abs(x)
+amax: bf16[1, 1] = aten.amax(abs_1, [-1], True)
+convert_element_type: f32[1, 1] = prims.convert_element_type(amax, f32)
+clamp_min: f32[1, 1] = aten.clamp_min(convert_element_type, 1e-08)
+div: f32[1, 1] = aten.div.Tensor(clamp_min, 127.0)
+convert_element_type_1: f32[1, 64] = prims.convert_element_type(x, f32)
+div_1: f32[1, 64] = aten.div.Tensor(convert_element_type_1, div)
+round_1: f32[1, 64] = aten.round(div_1)
+clamp_min_1: f32[1, 64] = aten.clamp_min(round_1, -128)
+clamp_max: f32[1, 64] = aten.clamp_max(clamp_min_1, 127)
+convert_element_type_2: i8[1, 64] = prims.convert_element_type(clamp_max, i8)
+permute: i8[64, 64] = aten.permute(self_modules_linears_modules_0_buffers_wq, [1, 0])
+reshape_default: f32[64] = aten.reshape(self_modules_linears_modules_0_buffers_ws, [-1])
+reshape_default_1: f32[] = aten.reshape(div, [])
+permute_1: i8[64, 16] = aten.permute(self_modules_linears_modules_1_buffers_wq, [1, 0])
+reshape_default_2: f32[16] = aten.reshape(self_modules_linears_modules_1_buffers_ws, [-1])
+permute_2: i8[64, 16] = aten.permute(self_modules_linears_modules_2_buffers_wq, [1, 0])
+reshape_default_4: f32[16] = aten.reshape(self_modules_linears_modules_2_buffers_ws, [-1])
+scaled_mm_group_default: (bf16[1, 64], bf16[1, 16], bf16[1, 16]) = fusepass.scaled_mm_group(convert_element_type_2, [permute, permute_1, permute_2], reshape_default_1, [reshape_default, reshape_default_2, reshape_default_4], bf16, [None, None, None])
+getitem: bf16[1, 64] = getitem(scaled_mm_group_default, 0)
+getitem_1: bf16[1, 16] = getitem(scaled_mm_group_default, 1)
+getitem_2: bf16[1, 16] = getitem(scaled_mm_group_default, 2)
+return [getitem, getitem_1, getitem_2]""")
+        # the other two copies of the activation's quantization went dead
+        self.assertEqual(r.after.count("aten.amax("), 1)
+        self.assertEqual(r.before.count("aten.amax("), 3)
+
+    def test_same_values_as_ungrouped(self):
+        for dtype in (torch.int8, torch.float8_e4m3fn):
+            for rows in (1, 16):
+                model, x = Siblings(dtype=dtype, bias=True), x_of(rows)
+                grouped, ungrouped = run(model, x), run(model, x, group_max_m=0)
+                self.assertEqual(grouped_calls(grouped), [3])
+                self.assertEqual(grouped_calls(ungrouped), [])
+                for g, u, e in zip(grouped.out, ungrouped.out, model(x)):
+                    torch.testing.assert_close(g, u, rtol=0, atol=0)
+                    torch.testing.assert_close(g, e, rtol=0.05, atol=0.05)
+
+    def test_more_than_four_siblings_make_groups_of_four(self):
+        self.assertEqual(grouped_calls(run(Siblings(widths=(16,) * 6), x_of(2))), [4, 2])
+        self.assertEqual(grouped_calls(run(Siblings(widths=(16,) * 5), x_of(2))), [4])
+
+
+class TestMustNotGroup(expecttest.TestCase):
+    def assert_apart(self, r, fused=3):
+        self.assertEqual(grouped_calls(r), [])
+        self.assertEqual(r.counts, {"int_mm_scaled": fused})
+
+    def test_above_group_max_m(self):
+        self.assert_apart(run(Siblings(), x_of(17)))
+        self.assertEqual(grouped_calls(run(Siblings(), x_of(17), group_max_m=32)), [3])
+
+    def test_turned_off(self):
+        self.assert_apart(run(Siblings(), x_of(1), group_max_m=0))
+
+    def test_symbolic_m(self):
+        from tests.passes.harness import run_pass
+
+        r = run_pass(Siblings(), x_of(4), dynamic=True)
+        self.assert_apart(r)
+
+    def test_different_activations(self):
+        model = Siblings()
+        self.assert_apart(run(lambda x, y: [model.linears[0](x), model.linears[1](y), model.linears[2](x * 2)],
+                              x_of(1), x_of(1, seed=2)))
+
+    def test_different_out_dtypes(self):
+        model = Siblings(widths=(16, 16))
+
+        def f(x):
+            return model.linears[0](x), model.linears[1](x.float())  # fp32 in, fp32 out
+
+        self.assert_apart(run(f, x_of(2)), fused=2)
+
+    def test_one_computed_from_the_other(self):
+        """gate/up at M = 1: silu(gate) is a [1, N] factor that up's epilogue takes as a
+        per-column scale, so up depends on gate and they cannot be one launch."""
+        model = Siblings(widths=(16, 16))
+
+        def f(x):
+            return model.linears[1](x) * F.silu(model.linears[0](x))
+
+        r = run(f, x_of(1))
+        self.assertEqual(grouped_calls(r), [])
+        self.assertEqual(r.counts.get("scaled_mm_group"), None)
