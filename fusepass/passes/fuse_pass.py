@@ -22,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from torch._inductor.virtualized import V
 
 from .graph import Rejected, aten, location, module_path
+from ..kernels.launch import decode_splits
 from .group import NAME as GROUPED, group_siblings
 from .lower import lower
 from .patterns import PATTERNS
@@ -61,8 +62,9 @@ class PassConfig:
     # captures the compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor
     # cannot see.
     split_k_outside_cuda_graphs: bool = False
-    # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v, gate/up) at a static M up
-    # to this run as one scaled_mm_group launch (passes/group.py); 0 turns grouping off.
+    # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v) at a static M up to this
+    # run as one scaled_mm_group launch (passes/group.py), where decode launches do not split
+    # K (outside CUDA graphs); 0 turns grouping off.
     group_max_m: int = 16
 
     def __post_init__(self):
@@ -125,7 +127,10 @@ class FusePass(CustomGraphPass):
                 if d is not None:  # the first pattern that recognizes the matmul decides
                     decisions.append(d)
                     break
-        if self.config.group_max_m > 0:
+        # Not where decode launches split K (inside Inductor's CUDA graphs, or where the caller
+        # captures): the group has no split, and there the members' tuned splits fill the GPU.
+        splits = self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False)
+        if self.config.group_max_m > 0 and not splits:
             for names in group_siblings(graph, self.config.group_max_m):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")

@@ -11,8 +11,11 @@ Becomes: one ``fusepass.scaled_mm_group`` call per 2 to 4 such calls (in graph o
 member's users reading its item of the result; the copies of the quantization then go dead.
 
 Why: a default-mode decode step is host-bound, and a launch costs host time; the group is
-one launch where there were 2-4 (q/k/v and gate/up: 3 of a Llama layer's 7 GEMM launches).
-Prefill sizes keep their own tuned launches (``scaled_mm``'s TMA and split configs).
+one launch where there were 2-4 (a Llama layer's q/k/v: 3 of its 7 GEMM launches).
+Prefill sizes keep their own tuned launches (``scaled_mm``'s TMA and split configs), and so
+does code whose decode launches split K (``FusePass.run`` groups only where
+``launch.decode_splits`` says no: inside CUDA graphs the members' splits fill the GPU, and
+the group has none).
 """
 
 from __future__ import annotations
@@ -33,24 +36,37 @@ NAME = "scaled_mm_group"
 
 
 def _pure(node: fx.Node) -> bool:
+    """An ATen or prims op without mutation or randomness (a custom op may hide either)."""
     t = node.target
     return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+            and t.namespace in ("aten", "prims")
             and not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags)
 
 
 def _frozen(arg, ids: dict):
-    """A hashable stand-in for an argument: nodes by value id, lists as tuples."""
+    """A hashable stand-in for an argument: nodes by value id, lists as tuples, numbers with
+    their type (1, 1.0 and True are equal in Python, not as arguments; nor are 0.0 and -0.0)."""
     if isinstance(arg, fx.Node):
         return ("node", ids[arg])
     if isinstance(arg, (list, tuple)):
         return tuple(_frozen(x, ids) for x in arg)
     if isinstance(arg, dict):
         return tuple(sorted((k, _frozen(v, ids)) for k, v in arg.items()))
+    if isinstance(arg, (bool, int, float)):
+        return (type(arg).__name__, repr(arg))
     try:
         hash(arg)
         return arg
     except TypeError:
         return repr(arg)
+
+
+def _meta(node: fx.Node):
+    """The node's value type: dtype, shape and strides (where they are numbers)."""
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return None
+    return (v.dtype, repr(tuple(v.shape)), repr(v.stride()))
 
 
 def value_ids(graph: fx.Graph) -> dict:
@@ -59,7 +75,7 @@ def value_ids(graph: fx.Graph) -> dict:
     ids, table = {}, {}
     for node in graph.nodes:
         if _pure(node):
-            key = (node.target, _frozen(node.args, ids), _frozen(node.kwargs, ids))
+            key = (node.target, _frozen(node.args, ids), _frozen(node.kwargs, ids), _meta(node))
             ids[node] = table.setdefault(key, len(table))
         else:
             ids[node] = table.setdefault(("node", id(node)), len(table))
@@ -72,8 +88,11 @@ def _group_key(node: fx.Node, ids: dict, max_m: int):
     M = tensor_val(a).shape[0]
     if not is_concrete_int(M) or int(M) > max_m:
         return None
-    vb = tensor_val(b)
-    return (ids[a], ids[scale_a], out_dtype, tuple(vb.stride()), _per_element(tensor_val(scale_b)), bias is None)
+    strides = tensor_val(b).stride()
+    if not all(map(is_concrete_int, strides)):  # (SymInts: not hashable, not comparable here)
+        return None
+    return (ids[a], ids[scale_a], out_dtype, tuple(map(int, strides)), _per_element(tensor_val(scale_b)),
+            bias is None)
 
 
 def _independent(members: list) -> list:
@@ -119,11 +138,15 @@ def group_siblings(graph: fx.Graph, max_m: int) -> list[list[str]]:
     done = []
     for siblings in by_key.values():
         while len(siblings) >= 2:
+            # In the current order: each group is sorted into place before the next is
+            # formed, so a dependency through an earlier group (a cycle between two groups)
+            # shows as one here.
+            position = {n: i for i, n in enumerate(graph.nodes)}
+            siblings.sort(key=position.__getitem__)
             members = _independent(siblings)[:MAX_MEMBERS]
             siblings = [s for s in siblings if s not in members]
             if len(members) >= 2:
                 done.append([m.name for m in members])
                 _replace(graph, members)
-    if done:
-        stable_topological_sort(graph)
+                stable_topological_sort(graph)
     return done

@@ -23,6 +23,7 @@ The config choice and the input checks run here, at trace time, once.
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 import torch.fx as fx
@@ -108,6 +109,8 @@ def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list) ->
         out = graph.graph_copy(gm.graph, dict(zip(placeholders, inputs)))
     if isinstance(out, (list, tuple)):  # scaled_mm_group: its users are getitems
         for user in list(node.users):
+            assert user.target is operator.getitem, user
+            out[user.args[1]].meta["stack_trace"] = user.meta.get("stack_trace")
             user.replace_all_uses_with(out[user.args[1]])
             graph.erase_node(user)
     else:

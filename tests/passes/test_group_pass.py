@@ -131,3 +131,60 @@ class TestMustNotGroup(expecttest.TestCase):
         r = run(f, x_of(1))
         self.assertEqual(grouped_calls(r), [])
         self.assertEqual(r.counts.get("scaled_mm_group"), None)
+
+    def test_not_where_decode_splits_k(self):
+        """Inside Inductor's CUDA graphs (and for code its caller captures) decode launches
+        split K, which the group cannot: the members keep their own launches."""
+        self.assert_apart(run(Siblings(), x_of(1), split_k_outside_cuda_graphs=True))
+        with torch._inductor.config.patch({"triton.cudagraphs": True}):
+            self.assert_apart(run(Siblings(), x_of(1)))
+
+
+def _lin(x, w, bias=None):
+    """A W8A8 linear written out: (weight [N, K] int8, scale [1, N]); its input quantized per row."""
+    from tests.models import quantize_rows
+
+    xq, xs = quantize_rows(x, torch.int8)
+    y = torch._int_mm(xq, w[0].t()).float() * xs * w[1]
+    return y if bias is None else y + bias
+
+
+def _weights(*ns, seed=0):
+    from tests.models import quantize_rows
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in ns:
+        q, s = quantize_rows(torch.randn(n, DIM, generator=g), torch.int8)
+        out.append((q, s.t().contiguous()))
+    return out
+
+
+class TestGroupsStayValid(expecttest.TestCase):
+    def test_symbolic_weight_sizes_at_a_static_m(self):
+        """dynamic=True with M = 1 (a size of 1 stays static) and weights as inputs: the weights'
+        strides are symbols; such calls are left ungrouped, not a crash."""
+        from tests.passes.harness import run_pass
+
+        (w0, s0), (w1, s1) = _weights(32, 48)
+        r = run_pass(lambda x, w0, s0, w1, s1: (_lin(x, (w0, s0)), _lin(x, (w1, s1))), x_of(1).float(),
+                     w0, s0, w1, s1, dynamic=True)
+        self.assertEqual(grouped_calls(r), [])
+        self.assertEqual(r.counts, {"int_mm_scaled": 2})
+
+    def test_no_cycle_between_two_groups(self):
+        """{a, b} of x and {c, d} of y, where c's bias needs a and b's needs d: both groups
+        together would need each other's results; one of them stays apart."""
+        wa, wb, wc, wd = _weights(DIM, DIM, DIM, DIM)
+        ones = torch.ones(DIM)
+
+        def f(x, y):
+            a, d = _lin(x, wa, ones), _lin(y, wd, ones)
+            c, b = _lin(y, wc, a.sum(0)), _lin(x, wb, d.sum(0))
+            return a, b, c, d
+
+        x, y = x_of(1).float(), x_of(1, seed=2).float()
+        r = run(f, x, y)
+        self.assertEqual(grouped_calls(r), [2])
+        for got, want in zip(r.out, f(x, y)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
