@@ -50,7 +50,7 @@ VARIANTS = {
     "int8-handwritten": ("int8", "handwritten", True),
 }
 # The same with fusepass's grouping of sibling matmuls off (PassConfig(group_max_m=0)): the
-# A/B of run 12's one launch for q/k/v and for gate/up.
+# A/B of run 12's one launch for q/k/v.
 UNGROUPED = "-ungrouped"
 VARIANTS.update({name + UNGROUPED: spec for name, spec in VARIANTS.items() if spec[2]})
 CUDA_SIZES = models.Sizes(4, 4096, 14336, 32, 8, 32000)  # Llama-3-8B layers, the demo's CUDA default

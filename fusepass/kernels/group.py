@@ -1,5 +1,5 @@
 """The fused W8A8 GEMM for up to four weights that share one quantized activation, in one
-launch: q/k/v projections, or gate and up, at decode sizes.
+launch: q/k/v projections at decode sizes.
 
     out_i[m, n] = scale_a[m] * scale_b_i[n] * (a @ b_i)[m, n] + bias_i[n]    (i < MEMBERS)
 

@@ -22,6 +22,15 @@ from .launch import INTERPRETED, _flat, _per_element, _plain, _traced, on_device
 MAX_MEMBERS = 4  # the kernel's member arguments
 
 
+def launch_variant(b: torch.Tensor, scale_b: torch.Tensor, bias) -> tuple | None:
+    """What every member of one launch must share: the weight's strides (the kernel takes one
+    pair), scale granularity and bias or none. None where a stride is symbolic."""
+    strides = b.stride()
+    if not all(map(is_concrete_int, strides)):
+        return None
+    return tuple(map(int, strides)), _per_element(scale_b), bias is None
+
+
 def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device) -> Config:
     """The tuned config of (M, sum(Ns), K), unsplit, pointer loads, fitted to the widest member."""
     cfg = select_config(M, sum(Ns), K, dtype, device, split_decode=False)

@@ -33,8 +33,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from torch.library import triton_op
 
 from ..kernels import launch_scaled_mm
-from ..kernels.group_launch import MAX_MEMBERS, launch_scaled_mm_group
-from ..kernels.launch import _per_element
+from ..kernels.group_launch import MAX_MEMBERS, launch_scaled_mm_group, launch_variant
 from .checks import check_out_dtype, check_scaled_mm_args
 from .scaled_mm import IMPLS, _compute, _plain_eager
 
@@ -63,16 +62,12 @@ def check_group_args(a, b, scale_a, scale_b, out_dtype, bias) -> None:
 
 
 def one_launch(a, b, scale_b, bias) -> bool:
-    """Whether the members can run as one grouped launch: a static M, one weight layout, one
-    scale granularity and bias or none for all."""
+    """Whether the members can run as one grouped launch: static sizes, and one
+    ``launch_variant`` (weight layout, scale granularity, bias or none) for all."""
     if not all(is_concrete_int(s) for t in (a, *b) for s in t.shape):
         return False
-    first = b[0]
-    return all(
-        statically_known_true(bi.stride(0) == first.stride(0)) and statically_known_true(bi.stride(1) == first.stride(1))
-        and _per_element(si) == _per_element(scale_b[0]) and (biasi is None) == (bias[0] is None)
-        for bi, si, biasi in zip(b, scale_b, bias)
-    )
+    variants = {launch_variant(*member) for member in zip(b, scale_b, bias)}
+    return len(variants) == 1 and None not in variants
 
 
 def scaled_mm_group_impl(

@@ -21,8 +21,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.virtualized import V
 
-from .graph import Rejected, aten, location, module_path
 from ..kernels.launch import decode_splits
+from .graph import Rejected, aten, location, module_path
 from .group import NAME as GROUPED, group_siblings
 from .lower import lower
 from .patterns import PATTERNS
@@ -129,8 +129,8 @@ class FusePass(CustomGraphPass):
                     break
         # Not where decode launches split K (inside Inductor's CUDA graphs, or where the caller
         # captures): the group has no split, and there the members' tuned splits fill the GPU.
-        splits = self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False)
-        if self.config.group_max_m > 0 and not splits:
+        if self.config.group_max_m > 0 and not (self.config.split_k_outside_cuda_graphs
+                                                or decode_splits(fake=True, symbolic_m=False)):
             for names in group_siblings(graph, self.config.group_max_m):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")

@@ -27,8 +27,7 @@ import torch.fx as fx
 from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from ..kernels.group_launch import MAX_MEMBERS
-from ..kernels.launch import _per_element
+from ..kernels.group_launch import MAX_MEMBERS, launch_variant
 from .graph import Inserter, tensor_val
 
 fusepass = torch.ops.fusepass
@@ -88,11 +87,10 @@ def _group_key(node: fx.Node, ids: dict, max_m: int):
     M = tensor_val(a).shape[0]
     if not is_concrete_int(M) or int(M) > max_m:
         return None
-    strides = tensor_val(b).stride()
-    if not all(map(is_concrete_int, strides)):  # (SymInts: not hashable, not comparable here)
+    variant = launch_variant(tensor_val(b), tensor_val(scale_b), bias)
+    if variant is None:  # (symbolic strides: not hashable, not comparable here)
         return None
-    return (ids[a], ids[scale_a], out_dtype, tuple(map(int, strides)), _per_element(tensor_val(scale_b)),
-            bias is None)
+    return ids[a], ids[scale_a], out_dtype, variant
 
 
 def _independent(members: list) -> list:
@@ -100,10 +98,10 @@ def _independent(members: list) -> list:
     kept, tainted = [members[0]], {members[0]}
     node = members[0].next
     while node is not members[-1].next:
-        if node in members and not any(arg in tainted for arg in node.all_input_nodes):
-            kept.append(node)
+        if any(arg in tainted for arg in node.all_input_nodes):
             tainted.add(node)
-        elif any(arg in tainted for arg in node.all_input_nodes):
+        elif node in members:
+            kept.append(node)
             tainted.add(node)
         node = node.next
     return kept
