@@ -64,6 +64,9 @@ class Epilogue:
     # The matmul applies 128x128 block scales itself (patterns/blockwise.py): its output is
     # already dequantized, and a per-channel factor cannot join its per-block weight scales.
     block_scaled: bool = False
+    # ``acc - term`` that undoes a shift of the matmul's own operand (int_mm.py's u8s8 form),
+    # consumed without becoming the zero point: it cancels exactly in int32, before any scaling.
+    cancelled: fx.Node | None = None
 
     @property
     def scaled(self) -> bool:
@@ -126,10 +129,11 @@ def _mul_leaves(node) -> list:
 
 
 class _Walker:
-    def __init__(self, anchor: fx.Node, ep: Epilogue, allow_azp: bool):
+    def __init__(self, anchor: fx.Node, ep: Epilogue, allow_azp: bool, cancels):
         self.anchor = anchor
         self.ep = ep
         self.allow_azp = allow_azp
+        self.cancels = cancels
         self.device = tensor_val(anchor).device
 
     def factors(self, arg, shape) -> list:
@@ -210,6 +214,9 @@ class _Walker:
             return None  # a full tensor: not a zero point (a residual, say)
         if not self.allow_azp:
             raise Rejected("a zero-point subtract follows a float8 matmul; zero points are int8 only")
+        if (self.cancels is not None and ep.cancelled is None and not ep.scaled and ep.azp_adj is None
+                and self.cancels(term)):
+            return lambda: setattr(ep, "cancelled", term)
         if ep.azp_adj is not None or ep.bias is not None:
             raise Rejected("a subtract follows the zero point or the bias; the fused epilogue has one zero point")
         azp, azp_adj = self.scaled_zero_point(term, shape) if ep.scaled else self.zero_point(term, shape)
@@ -290,13 +297,15 @@ def _continues(walker: _Walker, cur: fx.Node, user: fx.Node) -> bool:
         return True
 
 
-def walk(anchor: fx.Node, ep: Epilogue | None = None, *, allow_azp: bool = False) -> Epilogue:
+def walk(anchor: fx.Node, ep: Epilogue | None = None, *, allow_azp: bool = False, cancels=None) -> Epilogue:
     """Fold the longest valid prefix of the chain after ``anchor`` into ``ep`` (which may
     hold the matmul's own scales and bias). Returns it with ``chain`` set, and ``stop``
     where it ended at a step it could not take; raises Rejected only where nothing of the
-    chain can be fused (a shared accumulator, or a first step that is refused)."""
+    chain can be fused (a shared accumulator, or a first step that is refused).
+    ``cancels(term)``: whether an unscaled ``acc - term`` undoes the caller's operand shift
+    (recorded in ``ep.cancelled``, at most once, and no zero point)."""
     ep = ep or Epilogue()
-    walker = _Walker(anchor, ep, allow_azp)
+    walker = _Walker(anchor, ep, allow_azp, cancels)
     cur = anchor
     while True:
         found = users(cur)

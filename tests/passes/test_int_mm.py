@@ -1,6 +1,7 @@
 """Pattern rows 1-5: torch._int_mm and its epilogue -> fusepass.scaled_mm / scaled_mm_azp."""
 
 import expecttest
+import pytest
 import torch
 
 from tests.passes.data import K, M, N, bias, i8, scale
@@ -149,6 +150,48 @@ reshape_default_2: i32[24] = aten.reshape(view, [-1])
 reshape_default_3: i32[40] = aten.reshape(view_1, [-1])
 scaled_mm_azp_default: f16[24, 40] = fusepass.scaled_mm_azp(a, b, reshape_default, reshape_default_1, f16, reshape_default_3, reshape_default_2, bias)
 return [scaled_mm_azp_default]""")
+
+    @pytest.mark.skipif(torch.__version__ < "2.12", reason="torch._int_mm takes uint8 activations from 2.12 on")
+    def test_u8s8_shift_cancels_and_an_asymmetric_zero_point_follows(self):
+        """torchao 0.18's CPU form on AVX512-VNNI without AMX (``_int_scaled_matmul_cpu``):
+        ``a`` shifted to uint8 and the shift taken off the int32 result, then its asymmetric
+        activation's zero point subtracted after the row scale (``Int8Tensor``'s linear)."""
+        def f(a, w, sa, sb, zp):
+            b = w.t()
+            acc = torch._int_mm((a.to(torch.int32) + 128).to(torch.uint8), b)
+            acc = acc - b.sum(dim=0, keepdim=True, dtype=torch.int32) * 128
+            y = (acc.to(torch.float32) * sa).to(torch.bfloat16)
+            y = y - ((zp.to(torch.float32) * sa) * w.sum(dim=-1).to(torch.float32)).to(torch.bfloat16)
+            return y * sb
+
+        a, w, sa = i8(M, K), i8(N, K, seed=1), scale(M, 1)
+        sb = scale(N, seed=2, dtype=torch.bfloat16)
+        zp = torch.randint(-20, 20, (M, 1), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+        ref = (acc64(a, w.t()) - zp.double() * w.double().sum(1)) * sa.double() * sb.double()
+        self.assertExpectedInline(self.check(f, (a, w, sa, sb, zp), ref, "int_mm_azp_per_token"), """\
+permute: i8[64, 40] = aten.permute(w, [1, 0])
+sum_2: i64[40] = aten.sum.dim_IntList(w, [-1])
+reshape_default: f32[24] = aten.reshape(sa, [-1])
+convert_element_type_default: f32[40] = prims.convert_element_type(sb, f32)
+reshape_default_1: i8[24] = aten.reshape(zp, [-1])
+convert_element_type_default_1: i32[24] = prims.convert_element_type(reshape_default_1, i32)
+scaled_mm_azp_default: bf16[24, 40] = fusepass.scaled_mm_azp(a, permute, reshape_default, convert_element_type_default, bf16, sum_2, convert_element_type_default_1, None)
+return [scaled_mm_azp_default]""")
+
+    @pytest.mark.skipif(torch.__version__ < "2.12", reason="torch._int_mm takes uint8 activations from 2.12 on")
+    def test_u8s8_shift_cancels(self):
+        def f(a, b, sa, sb):
+            acc = torch._int_mm((a.to(torch.int32) + 128).to(torch.uint8), b)
+            acc = acc - b.sum(dim=0, keepdim=True, dtype=torch.int32) * 128
+            return (acc.to(torch.float32) * sa).to(torch.bfloat16) * sb
+
+        a, w, sa, sb = i8(M, K), i8(N, K, seed=1), scale(M, 1), scale(N, seed=2, dtype=torch.bfloat16)
+        ref = acc64(a, w.t()) * sa.double() * sb.double()
+        self.assertExpectedInline(self.check(f, (a, w.t(), sa, sb), ref, "int_mm_scaled"), """\
+reshape_default: f32[24] = aten.reshape(sa, [-1])
+convert_element_type_default: f32[40] = prims.convert_element_type(sb, f32)
+scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, convert_element_type_default, bf16, None)
+return [scaled_mm_default]""")
 
     def test_epilogue_ends_before_a_residual_add_and_relu(self):
         def f(a, b, sa, sb, bias, res):

@@ -11,9 +11,10 @@ activation zero-point correction:
 - ``acc - azp_adj`` or ``acc - z_a * colsum`` with a per-tensor ``z_a`` (row 4),
 - ``acc - azp[M, 1] * azp_adj[1, N]`` (row 5).
 
-Also torchao's CPU form of symmetric int8 (oneDNN's u8s8 kernel): ``a`` shifted to uint8
-by ``(a.to(int32) + 128).to(uint8)`` and the shift removed by ``- 128 * b.sum(0)``; the
-int8 ``a`` is used directly and the correction cancels.
+Also torchao's CPU form of int8 (oneDNN's u8s8 kernel, taken on CPUs with AVX512-VNNI and
+no AMX): ``a`` shifted to uint8 by ``(a.to(int32) + 128).to(uint8)`` and the shift removed
+by ``- 128 * b.sum(0)`` right after the matmul; the int8 ``a`` is used directly and the
+correction cancels, so an asymmetric activation's zero point may still follow it.
 
 Becomes ``fusepass.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)`` (rows 1-3) or
 ``fusepass.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)`` (4-5),
@@ -66,12 +67,13 @@ def match(node, config) -> Candidate | None:
         a, b = _cast_from(a, torch.int8, torch.int32), _cast_from(b, torch.int8, torch.int32)
         if a is None or b is None:
             return None
-    ep = walk(node, allow_azp=True)
     shifted = _u8_shifted(a)
+    ep = walk(node, allow_azp=True,
+              cancels=None if shifted is None else (lambda term: _is_shift_correction(term, b)))
     if shifted is not None:
-        if ep.azp is not None or not _is_shift_correction(ep.azp_adj, b):
+        if ep.cancelled is None:
             raise Rejected("uint8 activations without the matching - 128 * b.sum(0) correction")
-        a, ep.azp_adj = shifted, None
+        a = shifted
     if not ep.scaled:
         raise Rejected(ep.stop or "no scale multiply follows the int32 accumulator")
     check_operands(a, b, (torch.int8,), azp=ep.azp_adj is not None)
