@@ -4,7 +4,8 @@
     torch.compile(model, options=fusepass.inductor_options())   # stock Inductor + the pass
 
 Both keep Inductor's FX graph cache on: the pass is a CustomGraphPass with a uuid(). The
-backend also compiles with Inductor choices of its own (``passes/choices.py``).
+backend also compiles with Inductor choices of its own (``passes/choices.py``), and takes
+tensor-subclass weights (torchao's) apart at compile time (``static_subclasses.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .passes import FusePass, PassConfig
 from .passes.choices import decode_reductions
 from .passes.fuse_pass import INDUCTOR_PREFIX
+from .static_subclasses import flatten_static_subclasses
 
 _HOOK = "post_grad_custom_pre_pass"  # why this hook: fusepass/passes/fuse_pass.py
 
@@ -108,7 +110,8 @@ def _counts() -> tuple[Counter, Counter]:
 def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
     """The ``fusepass`` backend: Inductor with the fusion pass; takes ``mode=``/``options=``
     as ``torch.compile`` passes them (e.g. ``mode="reduce-overhead"`` for CUDA graphs).
-    Inductor keeps decode-size row reductions in one kernel here (``passes/choices.py``).
+    Inductor keeps decode-size row reductions in one kernel here (``passes/choices.py``), and
+    gets static tensor-subclass inputs as their plain inner tensors (``static_subclasses.py``).
 
     On an FX-graph-cache hit the pass does not run; ``counters["fusepass"]`` is filled
     from the counts Inductor replays from the cache entry (see ``fuse_pass.count``)."""
@@ -118,8 +121,13 @@ def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict 
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(options or {})
     (ours, inductor) = _counts()
+    flattened = flatten_static_subclasses(gm, example_inputs)
+    if flattened is not None:
+        gm, example_inputs, flattened = flattened
     with decode_reductions(patches):
         compiled = compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
+    if flattened is not None:
+        compiled = flattened.wrap(compiled)
     (ours_now, inductor_now) = _counts()
     counters["fusepass"].update((inductor_now - inductor) - (ours_now - ours))  # replayed, not counted
     return compiled

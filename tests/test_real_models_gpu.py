@@ -81,3 +81,30 @@ def test_torchao_llama_generates_fused(bf16_model, quant, batch):
     ours = torch.cat([fused.prefill_logits, fused.decode_logits])
     theirs = accuracy.forced_logits(qmodel, ids, fused.tokens)
     assert _rel(ours, reference) <= 1.1 * _rel(theirs, reference) + 1e-3, (_rel(ours, reference), _rel(theirs, reference))
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "cuda-graphs"])
+@pytest.mark.parametrize("quant", ["int8", "fp8"])
+def test_torchao_weights_taken_apart_at_compile_time_change_no_bit(bf16_model, quant, mode, monkeypatch):
+    """A decode step through ``backend="fusepass"`` with torchao's weights taken apart at
+    compile time (fusepass/static_subclasses.py) equals the one without, bit for bit."""
+    if quant == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs compute capability 8.9")
+    import fusepass.backend
+
+    qmodel = models.quantized_copy(bf16_model, quant, "torchao")
+    ids = models.prompt(bf16_model, 1, PROMPT, seed=1)
+    logits = []
+    for flatten in (True, False):
+        if not flatten:
+            monkeypatch.setattr(fusepass.backend, "flatten_static_subclasses", lambda gm, ex: None)
+        torch._dynamo.reset()
+        fn = torch.compile(qmodel, backend="fusepass", mode=mode, dynamic=False)
+        cache = models.static_cache(qmodel, 1, PROMPT + NEW)
+        with torch.no_grad():
+            for _ in range(3):  # (warm-up and CUDA-graph recording, then a replay)
+                if mode:
+                    torch.compiler.cudagraph_mark_step_begin()
+                out = fn(**models.decode_inputs(ids, cache)).logits.clone()
+        logits.append(out)
+    assert torch.equal(logits[0], logits[1])
