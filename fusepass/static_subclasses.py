@@ -17,8 +17,9 @@ the leaves of each such argument from a per-argument cache: the same subclass ob
 attribute path to each leaf still reaches the same tensor object (a handful of ``getattr``\\s);
 anything else (another model's weight reusing the graph, a reassigned inner tensor) is
 flattened afresh. In-place changes to a weight's data need nothing: the leaves are those
-tensors. Inputs that are not static (activations), not subclasses, need a gradient, or whose
-size is symbolic keep AOTAutograd's own handling.
+tensors. The cache holds a weight only weakly. Inputs that are not static (activations), not
+subclasses, need a gradient, have a symbolic size, or share a leaf with another input (or
+the graph reads one of their inner tensors itself) keep AOTAutograd's own handling.
 
 AOTAutograd's cache passes over a graph with the rebuild node (its target is none of the torch
 functions that cache knows to be safe, so no entry can be served for another subclass layout);
@@ -27,8 +28,11 @@ Inductor's FX graph cache, keyed on the graph AOTAutograd traced, still hits.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
+import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -66,17 +70,26 @@ class _Spec:
         return self.cls.__tensor_unflatten__(inner, self.ctx, self.size, self.stride)
 
 
+def _symbolic(fake) -> bool:
+    """Whether Dynamo's fake value of an input (or of an inner tensor) has a symbolic size or
+    stride (the real example's are always ints)."""
+    if not isinstance(fake, torch.Tensor):
+        return False
+    if not all(isinstance(s, int) for s in (*fake.size(), *fake.stride())):
+        return True
+    return is_traceable_wrapper_subclass(fake) and any(_symbolic(getattr(fake, a)) for a in fake.__tensor_flatten__()[0])
+
+
 def _spec(t: torch.Tensor) -> _Spec | None:
-    """``t``'s spec, or None where it cannot be taken apart statically (a symbolic size, an
-    inner value that is not a tensor)."""
+    """``t``'s spec, or None where it cannot be taken apart statically (an inner value that
+    is not a tensor, an attribute name that is no identifier)."""
     attrs, ctx = t.__tensor_flatten__()
     size, stride = tuple(t.size()), tuple(t.stride())
-    if not all(isinstance(s, int) for s in size + stride):
-        return None
     inner = []
     for name in attrs:
         value = getattr(t, name)
-        if not isinstance(value, torch.Tensor) or "." in name:  # ("." : attrgetter's separator)
+        # (identifiers: placeholder names, and attrgetter's dotted paths)
+        if not isinstance(value, torch.Tensor) or not name.isidentifier():
             return None
         if is_traceable_wrapper_subclass(value):
             sub = _spec(value)
@@ -120,15 +133,23 @@ class Flattened:
                  for i, s in self.specs.items()}
         leaves = {i: operator.attrgetter(*[".".join(p) for p in s.paths()], "__class__")
                   for i, s in self.specs.items()}
-        cache: dict[int, tuple[object, tuple, list]] = {}
+        # per argument: (weak reference to the value, its inner objects, its leaves). Weak: the
+        # compiled code outlives a deleted model, whose weights must not (an entry goes with
+        # its value).
+        cache: dict[int, tuple[weakref.ref, tuple, list]] = {}
+
+        def forget(ref, i):
+            if i in cache and cache[i][0] is ref:
+                del cache[i]
 
         def run(*args):
             flat = list(args)
             for i in order:
                 value, hit = flat[i], cache.get(i)
                 # the same object with the same inner objects all the way down: the same leaves
-                if hit is None or hit[0] is not value or not all(map(operator.is_, inner[i](value), hit[1])):
-                    hit = cache[i] = (value, inner[i](value), list(leaves[i](value)[:-1]))
+                if hit is None or hit[0]() is not value or not all(map(operator.is_, inner[i](value), hit[1])):
+                    ref = weakref.ref(value, functools.partial(forget, i=i))
+                    hit = cache[i] = (ref, inner[i](value), list(leaves[i](value)[:-1]))
                 flat[i:i + 1] = hit[2]
             return compiled(*flat)
 
@@ -147,10 +168,38 @@ def _attr_source(source, path: tuple[str, ...]):
 
 def _takes_apart(node: torch.fx.Node, x) -> bool:
     """A static input (a parameter or static buffer) holding a traceable subclass, with no
-    gradient to carry: a weight being trained (torchao's float8 training weights) keeps
-    AOTAutograd's handling, which routes its gradient back to the subclass."""
+    gradient to carry (a weight being trained, as torchao's float8 training weights are, keeps
+    AOTAutograd's handling, which routes its gradient back to the subclass) and static sizes
+    (the rebuild takes the example's: a dynamic size would be specialized)."""
     return (isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x) and not x.requires_grad
-            and bool(node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type")))
+            and bool(node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
+            and not _symbolic(node.meta.get("example_value")))
+
+
+def _storage(t) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _unshared(specs: list, placeholders: list, example_inputs: list) -> list:
+    """``specs`` less those that cannot stand alone: a leaf whose memory another input or
+    another subclass's leaf shares, or whose source is another placeholder's (the graph reads
+    ``weight.qdata`` itself). AOTAutograd keeps such aliasing straight across its own
+    flattening; taken apart before it, aliased leaves became wrong results after an in-place
+    update (two weights sharing an inner tensor, the sharing later undone)."""
+    seen = Counter(_storage(x) for x, s in zip(example_inputs, specs, strict=True)
+                   if s is None and isinstance(x, torch.Tensor) and not is_traceable_wrapper_subclass(x))
+    for x, s in zip(example_inputs, specs, strict=True):
+        if s is not None:
+            seen.update({_storage(_walk(x, path)) for path in s.paths()})  # (a subclass may alias itself)
+    sources = {getattr(p, "_dynamo_source", None) for p in placeholders} - {None}
+    out = []
+    for p, x, s in zip(placeholders, example_inputs, specs, strict=True):
+        if s is not None:
+            source = getattr(p, "_dynamo_source", None)
+            if any(seen[_storage(_walk(x, path))] > 1 or _attr_source(source, path) in sources for path in s.paths()):
+                s = None
+        out.append(s)
+    return out
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -164,8 +213,9 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             new._dynamo_source = getattr(old, "_dynamo_source", None)
     copy = torch.fx.GraphModule(gm, graph)
     copy.meta = gm.meta
-    if hasattr(gm, "_param_name_to_source"):
-        copy._param_name_to_source = gm._param_name_to_source
+    for name, value in gm.__dict__.items():  # _param_name_to_source and whatever a torch adds
+        if name not in copy.__dict__:
+            setattr(copy, name, value)
     return copy
 
 
@@ -179,6 +229,7 @@ def flatten_static_subclasses(gm: torch.fx.GraphModule, example_inputs: list):
     if len(placeholders) != len(example_inputs):
         return None
     specs = [_spec(x) if _takes_apart(p, x) else None for p, x in zip(placeholders, example_inputs, strict=True)]
+    specs = _unshared(specs, placeholders, example_inputs)
     if not any(specs):
         return None
     gm = _copy(gm)

@@ -87,16 +87,26 @@ def test_torchao_llama_generates_fused(bf16_model, quant, batch):
 @pytest.mark.parametrize("quant", ["int8", "fp8"])
 def test_torchao_weights_taken_apart_at_compile_time_change_no_bit(bf16_model, quant, mode, monkeypatch):
     """A decode step through ``backend="fusepass"`` with torchao's weights taken apart at
-    compile time (fusepass/static_subclasses.py) equals the one without, bit for bit."""
+    compile time (fusepass/static_subclasses.py) equals the one without, bit for bit; with
+    it, Inductor compiles plain tensors only (no weight was left to AOTAutograd)."""
     if quant == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
     import fusepass.backend
+    from torch._inductor.compile_fx import compile_fx
 
     qmodel = models.quantized_copy(bf16_model, quant, "torchao")
     ids = models.prompt(bf16_model, 1, PROMPT, seed=1)
-    logits = []
+    plain, logits = [], []
+
+    def spy(gm, example_inputs, **kw):
+        plain.append(all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in example_inputs
+                         if isinstance(t, torch.Tensor)))
+        return compile_fx(gm, example_inputs, **kw)
+
+    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", spy)
     for flatten in (True, False):
         if not flatten:
+            assert plain and all(plain), plain
             monkeypatch.setattr(fusepass.backend, "flatten_static_subclasses", lambda gm, ex: None)
         torch._dynamo.reset()
         fn = torch.compile(qmodel, backend="fusepass", mode=mode, dynamic=False)

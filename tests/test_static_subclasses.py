@@ -1,5 +1,8 @@
 """Static tensor-subclass inputs (torchao's quantized weights) taken apart at compile time."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -9,17 +12,17 @@ import fusepass.backend
 from fusepass.static_subclasses import Flattened, _Rebuild, _spec, flatten_static_subclasses
 
 
-def _nested():
-    """TwoTensor(TwoTensor(a, b), c): a subclass two deep, with three plain leaves."""
+def _nested(n=4):
+    """TwoTensor(TwoTensor(a, b), c) of [4, n]: a subclass two deep, with three plain leaves."""
     g = torch.Generator().manual_seed(0)
-    return TwoTensor(TwoTensor(torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)),
-                     torch.randn(4, 4, generator=g))
+    return TwoTensor(TwoTensor(torch.randn(4, n, generator=g), torch.randn(4, n, generator=g)),
+                     torch.randn(4, n, generator=g))
 
 
 class Model(torch.nn.Module):
-    def __init__(self, requires_grad=False):
+    def __init__(self, requires_grad=False, n=4):
         super().__init__()
-        self.w = torch.nn.Parameter(_nested(), requires_grad=requires_grad)
+        self.w = torch.nn.Parameter(_nested(n), requires_grad=requires_grad)
 
     def forward(self, x):
         y = x @ self.w
@@ -125,6 +128,54 @@ def test_inputs_that_are_not_static_subclasses_are_left_to_aot():
     assert spy.graphs == [None, None]
 
 
+def test_a_deleted_model_s_weights_are_freed():
+    m, x = Model(), torch.randn(3, 4)
+    fn = torch.compile(m, backend=Spy())
+    with torch.no_grad():
+        fn(x)
+    weight, leaf = weakref.ref(m.w), weakref.ref(m.w.a.a)
+    del m, fn
+    gc.collect()
+    # the compiled code (on forward's code object, until torch._dynamo.reset()) keeps no weight
+    assert weight() is None and leaf() is None
+
+
+class Aliased(torch.nn.Module):
+    """Two weights sharing one inner tensor's memory, and a graph that reads an inner tensor."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        shared = torch.randn(4, 4, generator=g)
+        self.w1 = torch.nn.Parameter(TwoTensor(shared, torch.randn(4, 4, generator=g)), requires_grad=False)
+        self.w2 = torch.nn.Parameter(TwoTensor(shared[:], torch.randn(4, 4, generator=g)), requires_grad=False)
+        self.w3 = torch.nn.Parameter(TwoTensor(torch.randn(4, 4, generator=g), torch.randn(4, 4, generator=g)),
+                                     requires_grad=False)
+
+    def forward(self, x):
+        y = x @ self.w1 + x @ self.w2 + x @ self.w3
+        return y.a + y.b + x @ self.w3.b
+
+
+def test_aliased_weights_and_inner_tensors_read_by_the_graph_are_left_to_aot():
+    m, x, spy = Aliased(), torch.randn(3, 4), Spy()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(m, backend=spy)(x), m(x), rtol=1e-6, atol=1e-6)
+    assert spy.graphs == [None]
+
+
+def test_a_weight_of_symbolic_size_is_left_to_aot():
+    """Weights of a new width recompile with a symbolic width (automatic dynamic shapes, with
+    parameters' shapes not forced static): the rebuild would bake the example's width in, so
+    that graph keeps the subclass for AOTAutograd."""
+    x, spy = torch.randn(3, 4), Spy()
+    with torch._dynamo.config.patch(force_parameter_static_shapes=False), torch.no_grad():
+        for n in (4, 6, 8):
+            m = Model(n=n)
+            torch.testing.assert_close(torch.compile(m, backend=spy)(x), m(x), rtol=0, atol=0)
+    assert spy.graphs[0] is not None and len(spy.graphs) > 1 and spy.graphs[1:] == [None] * (len(spy.graphs) - 1)
+
+
 def test_a_weight_being_trained_keeps_its_gradient():
     m, x, spy = Model(requires_grad=True), torch.randn(3, 4), Spy()
 
@@ -141,7 +192,7 @@ def test_a_weight_being_trained_keeps_its_gradient():
 
 def test_the_fusepass_backend_compiles_torchao_weights_as_plain_tensors(monkeypatch):
     """Inductor gets plain tensors only, and the result is the one without the flattening,
-    bit for bit (the same AOT graph: the second compile is an FX-graph-cache hit)."""
+    bit for bit (AOTAutograd traces the same graph either way)."""
     pytest.importorskip("torchao")
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
