@@ -14,7 +14,7 @@ subclass becomes one placeholder per plain inner tensor, and a node that rebuild
 from them (``__tensor_unflatten__``, which AOTAutograd traces through as it would its own
 unflatten). The compiled function then takes plain tensors only. ``Flattened.wrap`` gives it
 the leaves of each such argument from a per-argument cache: the same subclass object whose
-attribute path to each leaf still reaches the same tensor object (a handful of ``getattr``\\s);
+attribute path to each leaf still reaches the same tensor object (two ``attrgetter`` calls);
 anything else (another model's weight reusing the graph, a reassigned inner tensor) is
 flattened afresh. In-place changes to a weight's data need nothing: the leaves are those
 tensors. The cache holds a weight only weakly. Inputs that are not static (activations), not
