@@ -67,13 +67,13 @@ def _epilogue(
             acc = acc - azp[:, None] * adj[None, :]
         x = acc.to(tl.float32)
         if SCALE_A_PER_TOKEN:
-            x = x * tl.load(scale_a_ptr + offs_m)[:, None]
+            x = x * tl.load(scale_a_ptr + offs_m).to(tl.float32)[:, None]
         else:
-            x = x * tl.load(scale_a_ptr)
+            x = x * tl.load(scale_a_ptr).to(tl.float32)
         if SCALE_B_PER_CHANNEL:
-            x = x * tl.load(scale_b_ptr + offs_n)[None, :]
+            x = x * tl.load(scale_b_ptr + offs_n).to(tl.float32)[None, :]
         else:
-            x = x * tl.load(scale_b_ptr)
+            x = x * tl.load(scale_b_ptr).to(tl.float32)
     if HAS_BIAS:
         x = x + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     return x

@@ -15,6 +15,10 @@ INPUT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = OUT_DTYPES
 AZP_DTYPES = (torch.int32, torch.int64, torch.float32)
+# Per-tensor / per-token / per-channel scales: fp32, or bf16 / fp16 (widened to fp32 in the
+# kernel, exactly). torchao 0.17's int8 weights carry bf16 scales: a cast to fp32 in the graph
+# was one more kernel per linear per step (25 of a 4-layer decode step's 101; run 13).
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them
 # is exact for K <= (2**31 - 1) // 2**14. With a zero point, (a - z) spans 255 values,
@@ -53,7 +57,7 @@ def _is_vector_of(t: torch.Tensor, length, axis: int) -> bool:
 
 
 def _check_scale(op: str, name: str, t, length, axis: int) -> None:
-    _check_tensor(op, name, t, (torch.float32,))
+    _check_tensor(op, name, t, SCALE_DTYPES)
     per_tensor = t.numel() == 1 and t.dim() <= 2
     if not (per_tensor or _is_vector_of(t, length, axis)):
         shapes = f"[{length}, 1] or [{length}]" if axis == 0 else f"[1, {length}] or [{length}]"

@@ -49,6 +49,7 @@ def epilogue(
 ) -> torch.Tensor:
     """Scale rows and columns of the accumulator, add bias, round once to ``out_dtype``."""
     x = acc.to(torch.float32)
+    scale_a, scale_b = scale_a.to(torch.float32), scale_b.to(torch.float32)  # (bf16 / fp16: exact)
     return add_bias_and_round(x * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1), out_dtype, bias)
 
 

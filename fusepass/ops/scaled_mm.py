@@ -12,6 +12,8 @@ Arguments (the order of vLLM's ``cutlass_scaled_mm`` / ``cutlass_scaled_mm_azp``
   any strides (``b`` is usually ``w.t()`` of a row-major [N, K] weight). Any M >= 0.
 - ``scale_a``: fp32, per-tensor (numel 1: 0-d, [1], [1, 1]) or per-token ([M, 1] or [M]).
 - ``scale_b``: fp32, per-tensor (numel 1) or per-channel ([1, N] or [N]).
+  Either scale may also be bf16 or fp16 (torchao keeps some in bf16): widened to fp32,
+  exactly, where it is read.
 - ``out_dtype``: bfloat16, float16 or float32. ``bias``: [N] in one of those dtypes, or None.
 - ``azp_adj`` [N] (or [1, N]), int32 or fp32: ``z_a * colsum(b)`` for a per-tensor zero point
   (then ``azp`` is None), or ``colsum(b)`` with ``azp`` [M] (or [M, 1]), int32 or fp32, the
@@ -122,8 +124,8 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
     """Fused W8A8 matmul: ``out = scale_a * scale_b * (a @ b) + bias``, rounded once.
 
     a: [M, K] int8 or float8_e4m3fn. b: [K, N], same dtype, any strides (e.g. ``w.t()``).
-    scale_a: fp32, numel 1 or per-token [M, 1] / [M]. scale_b: fp32, numel 1 or
-    per-channel [1, N] / [N]. out_dtype: bfloat16, float16 or float32. bias: [N] or None.
+    scale_a: fp32 (or bf16 / fp16), numel 1 or per-token [M, 1] / [M]. scale_b: fp32 (or
+    bf16 / fp16), numel 1 or per-channel [1, N] / [N]. out_dtype: bfloat16, float16 or float32. bias: [N] or None.
     Returns a contiguous [M, N] tensor of out_dtype. int8 accumulates exactly in int32,
     fp8 in fp32; the epilogue runs in fp32. Same as ``torch.ops.fusepass.scaled_mm``.
     """

@@ -211,8 +211,9 @@ class Inserter:
         """A [M] / [N] view of a per-token / per-channel tensor ([M, 1], [1, N], [B, S, 1]...)."""
         return node if tensor_val(node).dim() == 1 else self.call(aten.reshape.default, node, [-1])
 
-    def scalar(self, arg, device):
-        """A per-tensor multiplier as an fp32 0-d tensor (Python numbers stay numbers)."""
+    def scalar(self, arg, device, fp32: bool = True):
+        """A per-tensor multiplier as a 0-d tensor, fp32 unless not ``fp32`` (Python numbers
+        stay numbers)."""
         if not isinstance(arg, fx.Node):
             return arg
         v = val(arg)
@@ -224,7 +225,7 @@ class Inserter:
             return self.call(aten.scalar_tensor.default, arg, dtype=torch.float32, device=device)
         if v.dim() != 0:
             arg = self.call(aten.reshape.default, arg, [])
-        return self.fp32(arg)
+        return self.fp32(arg) if fp32 else arg
 
     def product(self, nodes: list, device) -> fx.Node | None:
         """The product of fp32 nodes and Python numbers (None when there are none)."""

@@ -8,7 +8,15 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..ops.checks import AZP_DTYPES, MAX_K_INT8, MAX_K_INT8_AZP, MIN_CAPABILITY, MIN_FP8_CAPABILITY, OUT_DTYPES
+from ..ops.checks import (
+    AZP_DTYPES,
+    MAX_K_INT8,
+    MAX_K_INT8_AZP,
+    MIN_CAPABILITY,
+    MIN_FP8_CAPABILITY,
+    OUT_DTYPES,
+    SCALE_DTYPES,
+)
 from .epilogue import INT_DTYPES, Epilogue
 from .graph import ASSERT_OPS, Inserter, Rejected, aten, cast_dtype, is_call, prims, tensor_val
 
@@ -81,14 +89,22 @@ def check_operands(a: fx.Node, b: fx.Node, dtypes, *, azp: bool = False) -> None
 def _scales(ins: Inserter, ep: Epilogue, device):
     """scale_a and scale_b: per-token factors go to scale_a, per-channel ones to scale_b;
     per-tensor ones go to scale_b, except the first when scale_a would otherwise be empty."""
-    rows = [ins.fp32(ins.flat(r)) for r in ep.rows]
-    cols = [ins.fp32(ins.flat(c)) for c in ep.cols]
+    rows = [ins.flat(r) for r in ep.rows]
+    cols = [ins.flat(c) for c in ep.cols]
     # Tensors before Python numbers, so a lone number never displaces a tensor scale.
-    scalars = sorted((ins.scalar(s, device) for s in ep.scalars), key=lambda s: not isinstance(s, fx.Node))
+    scalars = sorted((ins.scalar(s, device, fp32=False) for s in ep.scalars), key=lambda s: not isinstance(s, fx.Node))
     a_side = rows or scalars[:1]
     b_side = cols + (scalars if rows else scalars[1:])
-    one = lambda: ins.constant(1.0, device)  # noqa: E731
-    return ins.product(a_side, device) or one(), ins.product(b_side, device) or one()
+
+    def side(factors):
+        # One tensor goes to the op as it is (it widens a bf16 / fp16 scale itself: no cast
+        # kernel for a weight's scale every step); a product is taken in fp32.
+        if len(factors) == 1 and isinstance(factors[0], fx.Node) and tensor_val(factors[0]).dtype in SCALE_DTYPES:
+            return factors[0]
+        return ins.product([ins.fp32(f) if isinstance(f, fx.Node) else f for f in factors], device) or \
+            ins.constant(1.0, device)
+
+    return side(a_side), side(b_side)
 
 
 def _zero_point(ins: Inserter, node: fx.Node) -> fx.Node:

@@ -85,6 +85,17 @@ def test_kernel_writes_every_element():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("config", [None, Config(16, 32, 32, split_k=3)], ids=["tuned", "split3"])
+def test_kernel_widens_bf16_and_fp16_scales_exactly(scale_dtype, config):
+    """torchao's bf16 weight scales go in as they are: the same bits out as their fp32 copies."""
+    p = make_problem(5, 48, 64, device=DEVICE, bias_dtype=torch.float32)
+    sa, sb = p.scale_a.to(scale_dtype), p.scale_b.to(scale_dtype)
+    narrow = launch_scaled_mm(p.a, p.b, sa, sb, torch.bfloat16, p.bias, config=config)
+    wide = launch_scaled_mm(p.a, p.b, sa.float(), sb.float(), torch.bfloat16, p.bias, config=config)
+    assert torch.equal(narrow, wide)
+
+
 # The main-loop paths beside the default: TMA loads through device-made descriptors (zero
 # fill past the edges), split-K (slices, tickets and the last program's sum; split counts
 # that leave empty slices), both.

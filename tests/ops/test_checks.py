@@ -46,8 +46,8 @@ BAD_SCALED_MM = [
     ("out int32", dict(out_dtype=torch.int32), TypeError,
      "`out_dtype` must be one of bfloat16, float16, float32; got torch.int32"),
     ("out fp8", dict(out_dtype=torch.float8_e4m3fn), TypeError, "`out_dtype` must be one of"),
-    ("scale_a bf16", dict(scale_a=f32(M, 1).to(BF16)), TypeError,
-     "`scale_a` must have dtype float32; got shape (4, 1), dtype torch.bfloat16"),
+    ("scale_a fp64", dict(scale_a=f32(M, 1).double()), TypeError,
+     "`scale_a` must have dtype float32, bfloat16, float16; got shape (4, 1), dtype torch.float64"),
     ("scale_a wrong numel", dict(scale_a=f32(M + 1, 1)), ValueError,
      "`scale_a` must hold one value (per-tensor) or one per row of `a` (M = 4): numel 1, or "
      "shape [4, 1] or [4]; got shape (5, 1)"),

@@ -15,11 +15,17 @@ def _noncontiguous(p):
     return p
 
 
+def _bf16_scales(p):
+    p.scale_a, p.scale_b = p.scale_a.bfloat16(), p.scale_b.bfloat16()  # (torchao's weight scales)
+    return p
+
+
 CASES = {
     "M0": lambda d: make_problem(0, 24, 40, device=d, bias_dtype=torch.float32),
     "decode": lambda d: make_problem(1, 24, 40, device=d, sa_shape=(), sb_shape=(24,)),
     "ragged": lambda d: make_problem(33, 17, 100, device=d, bias_dtype=torch.bfloat16),
     "noncontiguous": lambda d: _noncontiguous(make_problem(9, 24, 40, device=d)),
+    "bf16_scales": lambda d: _bf16_scales(make_problem(5, 24, 40, device=d)),
 }
 
 

@@ -82,3 +82,14 @@ def test_k_zero_gives_bias():
     p = make_problem(3, 5, 0, bias_dtype=torch.float32)
     out = fusepass.scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias)
     assert torch.equal(out, p.bias.expand(3, 5))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_bf16_and_fp16_scales_are_their_fp32_values(device, scale_dtype):
+    p = make_problem(6, 24, 40, device=device, azp="token", bias_dtype=torch.float32)
+    sa, sb = p.scale_a.to(scale_dtype), p.scale_b.to(scale_dtype)
+    narrow = fusepass.scaled_mm_azp(p.a, p.b, sa, sb, torch.bfloat16, p.azp_adj, p.azp, p.bias)
+    wide = fusepass.scaled_mm_azp(p.a, p.b, sa.float(), sb.float(), torch.bfloat16, p.azp_adj, p.azp, p.bias)
+    assert torch.equal(narrow, wide)
+

@@ -79,9 +79,7 @@ return [scaled_mm_default]""")
         self.assertExpectedInline(self.check(f, (a, w.t(), sa, sb, bs), ref, "int_mm_scaled"), """\
 convert_element_type_1: bf16[24, 1] = prims.convert_element_type(sa, bf16)
 reshape_default: bf16[24] = aten.reshape(convert_element_type_1, [-1])
-convert_element_type_default: f32[24] = prims.convert_element_type(reshape_default, f32)
-convert_element_type_default_1: f32[40] = prims.convert_element_type(sb, f32)
-scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, convert_element_type_default, convert_element_type_default_1, bf16, bias)
+scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, sb, bf16, bias)
 return [scaled_mm_default]""")
 
     def test_row3_3d_activations_with_reshapes(self):
@@ -172,10 +170,9 @@ return [scaled_mm_azp_default]""")
 permute: i8[64, 40] = aten.permute(w, [1, 0])
 sum_2: i64[40] = aten.sum.dim_IntList(w, [-1])
 reshape_default: f32[24] = aten.reshape(sa, [-1])
-convert_element_type_default: f32[40] = prims.convert_element_type(sb, f32)
 reshape_default_1: i8[24] = aten.reshape(zp, [-1])
-convert_element_type_default_1: i32[24] = prims.convert_element_type(reshape_default_1, i32)
-scaled_mm_azp_default: bf16[24, 40] = fusepass.scaled_mm_azp(a, permute, reshape_default, convert_element_type_default, bf16, sum_2, convert_element_type_default_1, None)
+convert_element_type_default: i32[24] = prims.convert_element_type(reshape_default_1, i32)
+scaled_mm_azp_default: bf16[24, 40] = fusepass.scaled_mm_azp(a, permute, reshape_default, sb, bf16, sum_2, convert_element_type_default, None)
 return [scaled_mm_azp_default]""")
 
     @pytest.mark.skipif(torch.__version__ < "2.12", reason="torch._int_mm takes uint8 activations from 2.12 on")
@@ -189,8 +186,7 @@ return [scaled_mm_azp_default]""")
         ref = acc64(a, w.t()) * sa.double() * sb.double()
         self.assertExpectedInline(self.check(f, (a, w.t(), sa, sb), ref, "int_mm_scaled"), """\
 reshape_default: f32[24] = aten.reshape(sa, [-1])
-convert_element_type_default: f32[40] = prims.convert_element_type(sb, f32)
-scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, convert_element_type_default, bf16, None)
+scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, sb, bf16, None)
 return [scaled_mm_default]""")
 
     def test_epilogue_ends_before_a_residual_add_and_relu(self):
