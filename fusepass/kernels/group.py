@@ -55,7 +55,7 @@ def _member_tile(
 @triton.jit
 def scaled_mm_group_kernel(
     # Shared operands
-    a_ptr, scale_a_ptr,  # (M, K); (M,) or (1,) fp32
+    a_ptr, scale_a_ptr,  # (M, K); (M,) or (1,) fp32, bf16 or fp16
     # Members: weights (K, N_i) of one layout, new contiguous outputs (M, N_i), their
     # scales (N_i,) or (1,) and biases (N_i,); members past MEMBERS are None
     b0_ptr, b1_ptr, b2_ptr, b3_ptr,

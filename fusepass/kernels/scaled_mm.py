@@ -129,7 +129,7 @@ def pointer_mainloop(
 def scaled_mm_kernel(
     # Operands
     a_ptr, b_ptr, out_ptr,  # (M, K), (K, N), (M, N)
-    scale_a_ptr, scale_b_ptr,  # (M,) or (1,), (N,) or (1,); fp32
+    scale_a_ptr, scale_b_ptr,  # (M,) or (1,), (N,) or (1,); fp32, bf16 or fp16
     bias_ptr, azp_adj_ptr, azp_ptr,  # (N,), (N,), (M,); None when unused
     partial_ptr,  # (SPLIT_K, M, N) int32 or fp32 when SPLIT_K > 1; None otherwise
     tickets_ptr,  # (tiles,) int32 zeros when SPLIT_K > 1; None otherwise

@@ -212,8 +212,9 @@ class Inserter:
         return node if tensor_val(node).dim() == 1 else self.call(aten.reshape.default, node, [-1])
 
     def scalar(self, arg, device, fp32: bool = True):
-        """A per-tensor multiplier as a 0-d tensor, fp32 unless not ``fp32`` (Python numbers
-        stay numbers)."""
+        """A per-tensor multiplier as a 0-d tensor (Python numbers stay numbers): fp32, or
+        with ``fp32=False`` a device tensor's own dtype (a CPU scalar or a symbolic number
+        becomes an fp32 device tensor either way)."""
         if not isinstance(arg, fx.Node):
             return arg
         v = val(arg)

@@ -99,6 +99,7 @@ def _scales(ins: Inserter, ep: Epilogue, device):
     def side(factors):
         # One tensor goes to the op as it is (it widens a bf16 / fp16 scale itself: no cast
         # kernel for a weight's scale every step); a product is taken in fp32.
+        # (the walker takes multipliers of FLOAT_DTYPES only, which are the ops' SCALE_DTYPES)
         if len(factors) == 1 and isinstance(factors[0], fx.Node) and tensor_val(factors[0]).dtype in SCALE_DTYPES:
             return factors[0]
         return ins.product([ins.fp32(f) if isinstance(f, fx.Node) else f for f in factors], device) or \

@@ -92,4 +92,3 @@ def test_bf16_and_fp16_scales_are_their_fp32_values(device, scale_dtype):
     narrow = fusepass.scaled_mm_azp(p.a, p.b, sa, sb, torch.bfloat16, p.azp_adj, p.azp, p.bias)
     wide = fusepass.scaled_mm_azp(p.a, p.b, sa.float(), sb.float(), torch.bfloat16, p.azp_adj, p.azp, p.bias)
     assert torch.equal(narrow, wide)
-

@@ -82,6 +82,19 @@ reshape_default: bf16[24] = aten.reshape(convert_element_type_1, [-1])
 scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, sb, bf16, bias)
 return [scaled_mm_default]""")
 
+    def test_row1_lone_bf16_scales_go_in_uncast(self):
+        """A bf16 per-tensor and a bf16 per-channel scale, each alone on its side: the op
+        widens them itself (no cast kernel for a weight's scale every step)."""
+        def f(a, b, sa, sb):
+            return (torch._int_mm(a, b).to(torch.bfloat16) * sa) * sb
+
+        a, w = i8(M, K), i8(N, K, seed=1)
+        sa, sb = scale(seed=3, dtype=torch.bfloat16).reshape(()), scale(N, seed=2, dtype=torch.bfloat16)
+        ref = acc64(a, w.t()) * sa.double() * sb.double()
+        self.assertExpectedInline(self.check(f, (a, w.t(), sa, sb), ref, "int_mm_scaled"), """\
+scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, sa, sb, bf16, None)
+return [scaled_mm_default]""")
+
     def test_row3_3d_activations_with_reshapes(self):
         def f(x, w, sa, sb, bias):
             B, S, _ = x.shape
