@@ -186,18 +186,19 @@ def _unshared(specs: list, placeholders: list, example_inputs: list) -> list:
     ``weight.qdata`` itself). AOTAutograd keeps such aliasing straight across its own
     flattening; taken apart before it, aliased leaves became wrong results after an in-place
     update (two weights sharing an inner tensor, the sharing later undone)."""
+    # per input taken apart: (path, storage) of each leaf
+    leaves = [None if s is None else [(path, _storage(_walk(x, path))) for path in s.paths()]
+              for x, s in zip(example_inputs, specs, strict=True)]
     seen = Counter(_storage(x) for x, s in zip(example_inputs, specs, strict=True)
                    if s is None and isinstance(x, torch.Tensor) and not is_traceable_wrapper_subclass(x))
-    for x, s in zip(example_inputs, specs, strict=True):
-        if s is not None:
-            seen.update({_storage(_walk(x, path)) for path in s.paths()})  # (a subclass may alias itself)
+    for own in filter(None, leaves):
+        seen.update({storage for _, storage in own})  # (a subclass may alias itself)
     sources = {getattr(p, "_dynamo_source", None) for p in placeholders} - {None}
     out = []
-    for p, x, s in zip(placeholders, example_inputs, specs, strict=True):
-        if s is not None:
-            source = getattr(p, "_dynamo_source", None)
-            if any(seen[_storage(_walk(x, path))] > 1 or _attr_source(source, path) in sources for path in s.paths()):
-                s = None
+    for p, s, own in zip(placeholders, specs, leaves, strict=True):
+        source = getattr(p, "_dynamo_source", None)
+        if own and any(seen[storage] > 1 or _attr_source(source, path) in sources for path, storage in own):
+            s = None
         out.append(s)
     return out
 

@@ -93,8 +93,8 @@ def scaled_mm_group(a, b, scale_a, scale_b, out_dtype, bias=None) -> list:
     kernel launch, for 2 to 4 weights ``b`` that share the activation ``a`` and its scale.
 
     b: list of [K, N_i] weights of ``a``'s dtype (e.g. ``w.t()``). scale_b: list of per-tensor
-    or per-channel fp32 (or bf16 / fp16) scales, one per weight. bias: list of [N_i] or None entries, or None
-    (no bias). Returns a list of contiguous [M, N_i] tensors of ``out_dtype``. Same as
+    or per-channel fp32 (or bf16 / fp16) scales, one per weight. bias: list of [N_i] or None
+    entries, or None (no bias). Returns a list of contiguous [M, N_i] tensors of ``out_dtype``. Same as
     ``torch.ops.fusepass.scaled_mm_group``.
     """
     if bias is None and isinstance(b, (list, tuple)):

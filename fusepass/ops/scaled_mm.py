@@ -125,7 +125,8 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
 
     a: [M, K] int8 or float8_e4m3fn. b: [K, N], same dtype, any strides (e.g. ``w.t()``).
     scale_a: fp32 (or bf16 / fp16), numel 1 or per-token [M, 1] / [M]. scale_b: fp32 (or
-    bf16 / fp16), numel 1 or per-channel [1, N] / [N]. out_dtype: bfloat16, float16 or float32. bias: [N] or None.
+    bf16 / fp16), numel 1 or per-channel [1, N] / [N]. out_dtype: bfloat16, float16 or
+    float32. bias: [N] or None.
     Returns a contiguous [M, N] tensor of out_dtype. int8 accumulates exactly in int32,
     fp8 in fp32; the epilogue runs in fp32. Same as ``torch.ops.fusepass.scaled_mm``.
     """
