@@ -1,8 +1,8 @@
 """Configurations and launch of the block-wise fp8 GEMM (``blockwise.py``), in the traceable
-style of ``launch.py`` (whose helpers it uses): eagerly the kernel launches through Triton;
-traced (the op inlined by ``fusepass.passes.lower``) each launch is a ``wrap_triton`` node that
-Inductor launches from its own code, and a symbolic M picks its bucket's config at run time
-through ``launch._by_m``'s ``cond`` chain.
+style of ``launch.py`` (whose helpers it uses): eagerly the kernel launches through
+``direct.DirectLauncher``; traced (the op inlined by ``fusepass.passes.lower``) each launch is
+a ``wrap_triton`` node that Inductor launches from its own code, and a symbolic M picks its
+bucket's config at run time through ``launch._by_m``'s ``cond`` chain.
 
 The config table was tuned on an H200 (``benchmarks/NOTES.md``, run 6): one tile config per M
 bucket, and a split-K that fills the GPU: decode at a small N has too few N tiles to keep
@@ -16,13 +16,13 @@ from dataclasses import replace
 
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
-from torch.library import wrap_triton
 
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
 from .configs import Config, cdiv, decode_unsplit, fit, merge_buckets, sm_count
-from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _plain, _traced, decode_splits, new_output,
-                     on_device, split_k_buffers)
+from .direct import launcher, record
+from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, decode_splits, new_output,
+                     on_device, split_k_buffers, split_k_scratch)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -92,20 +92,22 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
     fake = _traced(a)
     if INTERPRETED and fake:
         return out
-    wrap = wrap_triton if fake else _plain
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), cfg.split_k)
-    partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, torch.float32, a.device)
-    wrap(blockwise_mm_kernel)[grid](
+    partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, torch.float32, a.device, fake)
+    args = (
         a, b, out,
         scale_a, scale_b,
         bias,  # None when unused (a constexpr: see launch._run)
-        partial, tickets,
+        partial, tickets,  # (positions 6 and 7)
         M, N, K,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
         out.stride(0), out.stride(1),
         scale_a.stride(0), scale_a.stride(1),
         scale_b.stride(0), scale_b.stride(1),
+    )
+    entry = launcher(blockwise_mm_kernel, fake)[grid](
+        *args,
         HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
@@ -114,6 +116,8 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
         EVEN_K=statically_known_true(K % BLOCK == 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if not fake:
+        record(entry, grid, args, out, split_k_scratch(partial, (6, 7), cfg.split_k, grid[0], M, N))
     return out
 
 

@@ -1,5 +1,5 @@
 """Configuration and launch of the grouped GEMM (``group.py``), in the traceable style of
-``launch.py``: eagerly the kernel launches through Triton; traced (the op inlined by
+``launch.py``: eagerly the kernel launches through ``direct.DirectLauncher``; traced (the op inlined by
 ``fusepass.passes.lower``) the launch is a ``wrap_triton`` node Inductor launches itself.
 
 The config is the tuned one of the fused weight the members make together, (M, sum N_i, K):
@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
-from torch.library import wrap_triton
 
 from .configs import Config, cdiv, fit, select_config
+from .direct import launcher
 from .group import scaled_mm_group_kernel
-from .launch import INTERPRETED, _flat, _per_element, _plain, _traced, on_device
+from .launch import INTERPRETED, _flat, _per_element, _traced, on_device
 
 MAX_MEMBERS = 4  # the kernel's member arguments
 
@@ -63,10 +63,9 @@ def launch_scaled_mm_group(
     biases = [_flat(b, fake) for b in biases]
     pad = [None] * (MAX_MEMBERS - len(bs))
     grid = (cdiv(M, cfg.block_m) * sum(cdiv(N, cfg.block_n) for N in Ns),)
-    wrap = wrap_triton if fake else _plain
 
     def launch():
-        wrap(scaled_mm_group_kernel)[grid](
+        launcher(scaled_mm_group_kernel, fake)[grid](
             a, scale_a,
             *bs, *pad,
             *outs, *pad,

@@ -2,7 +2,8 @@
 and traces into Inductor's graphs alike.
 
 Eager (``torch.ops.fusepass.*`` on real tensors): every size is a number, the config is the
-tuned table's for this M, and the kernels launch through Triton.
+tuned table's for this M, and the kernels launch through ``direct.DirectLauncher`` (Triton's
+compiled kernels, without its per-call argument binding).
 
 Traced (an op inlined by ``fusepass.passes.lower`` or decomposed by AOTAutograd, as
 ``torch.library.triton_op`` does): the same code runs under ``make_fx`` on fake tensors.
@@ -21,9 +22,9 @@ import torch
 import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
-from torch.library import wrap_triton
 
 from .configs import Config, bucket_choices, cdiv, select_config
+from .direct import launcher, record, split_scratch
 from .scaled_mm import scaled_mm_kernel
 
 ACC_DTYPES = (torch.int32,)  # out_dtype of fusepass.int_mm: the accumulator, no epilogue
@@ -75,10 +76,6 @@ def tma_allowed(a: torch.Tensor, b: torch.Tensor, fake: bool = False) -> bool:
     )
 
 
-def _plain(kernel):
-    return kernel
-
-
 def _traced(t: torch.Tensor) -> bool:
     """A fake tensor (also under functionalization); is_fake costs ~4 us, a type check 0.1."""
     return type(t) is not torch.Tensor and is_fake(t)
@@ -124,8 +121,14 @@ def decode_splits(fake: bool, symbolic_m: bool) -> bool:
     return bool(config.triton.cudagraphs) and not symbolic_m
 
 
+def known(cond) -> bool:
+    """``statically_known_true`` at a bool's cost where ``cond`` is one (eager calls: ~0.5 us
+    a call saved, several a launch)."""
+    return cond if type(cond) is bool else statically_known_true(cond)
+
+
 def _per_element(v: torch.Tensor | None) -> bool:
-    return v is not None and not statically_known_true(v.numel() == 1)
+    return v is not None and not known(v.numel() == 1)
 
 
 def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp):
@@ -137,41 +140,56 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     if INTERPRETED and fake:
         return out
     tma = cfg.tma and tma_allowed(a, b, fake)
-    if tma and not fake and a.is_cuda:
-        _ensure_allocator()
-    # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
-    # Inductor gets no second alias of a tensor to clone.
-    vectors = (scale_a, scale_b, bias, azp_adj, azp)
+    prepare = _ensure_allocator if tma and not fake and a.is_cuda else None
+    if prepare is not None:
+        prepare()
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), cfg.split_k)
     acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
-    partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, acc_dtype, a.device)
-    # Traced: a node Inductor launches. Eager: the kernel itself (wrap_triton outside a
-    # triton_op dispatches through a higher-order op: 400 us a call vs 43 us, H200 host).
-    wrap = wrap_triton if fake else _plain
-    wrap(scaled_mm_kernel)[grid](
+    partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, acc_dtype, a.device, fake)
+    args = (
         a, b, out,
-        *vectors,
-        partial, tickets,
+        # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
+        # Inductor gets no second alias of a tensor to clone.
+        scale_a, scale_b, bias, azp_adj, azp,
+        partial, tickets,  # (positions 8 and 9: SPLIT_ARGS)
         M, N, K,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
         out.stride(0), out.stride(1),
+    )
+    entry = launcher(scaled_mm_kernel, fake)[grid](
+        *args,
         **flags,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m,
         SPLIT_K=cfg.split_k,
         USE_TMA=tma,
-        EVEN_K=statically_known_true(K % cfg.block_k == 0),
+        EVEN_K=known(K % cfg.block_k == 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if not fake:
+        record(entry, grid, args, out, split_k_scratch(partial, SPLIT_ARGS, cfg.split_k, grid[0], M, N), prepare)
     return out
 
 
-def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device):
+SPLIT_ARGS = (8, 9)  # where scaled_mm_kernel takes (partial, tickets)
+
+
+def split_k_scratch(partial, positions: tuple, split_k: int, tiles: int, M: int, N: int):
+    """How a repeated launch (``direct.Replay``) gets its split-K scratch: None unsplit."""
+    if partial is None:
+        return None
+    return (*positions, (split_k, tiles, M, N, partial.dtype))
+
+
+def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device, fake: bool):
     """``(partial, tickets)`` of a split-K launch (``scaled_mm.split_k_sum``): the (split_k,
-    M, N) slices and one zeroed ticket counter per output tile; ``(None, None)`` unsplit."""
+    M, N) slices and one zeroed ticket counter per output tile (traced: buffers Inductor
+    allocates, and zeroes, per call; eager: ``direct.split_scratch``); ``(None, None)`` unsplit."""
     if split_k == 1:
         return None, None
+    if not fake:
+        return split_scratch(split_k, tiles, M, N, acc_dtype, device)
     return (torch.empty((split_k, M, N), dtype=acc_dtype, device=device),
             torch.zeros((tiles,), dtype=torch.int32, device=device))
 
@@ -227,7 +245,7 @@ def launch_scaled_mm(
     tuning). Works on CUDA tensors, on CPU tensors under TRITON_INTERPRET=1, and traced.
     """
     N = b.shape[1]
-    if statically_known_true(a.shape[0] == 0) or statically_known_true(N == 0):
+    if known(a.shape[0] == 0) or known(N == 0):
         return torch.empty((a.shape[0], N), dtype=out_dtype, device=a.device)
     fake = _traced(a)
     scale_a, scale_b, bias, azp_adj, azp = (_flat(t, fake) for t in (scale_a, scale_b, bias, azp_adj, azp))
@@ -239,7 +257,7 @@ def launch_scaled_mm(
         RAW_ACC=out_dtype in ACC_DTYPES,
     )
     M, K = a.shape
-    if config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
+    if config is None and (not fake or all(map(is_concrete_int, (M, N, K)))):  # eager, or a static trace
         split = decode_splits(fake, symbolic_m=False)
         config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split)
     if config is not None:

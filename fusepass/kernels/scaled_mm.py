@@ -201,7 +201,7 @@ def scaled_mm_kernel(
 def split_k_sum(
     acc,  # (BLOCK_M, BLOCK_N) int32 or fp32: this program's slice of K
     partial_ptr,  # (SPLIT_K, M, N) of acc's dtype
-    tickets_ptr,  # (tiles,) int32, zero before the launch
+    tickets_ptr,  # (tiles,) int32, zero before the launch; zero again after it
     rows, cols, mask,  # (BLOCK_M,), (BLOCK_N,) int64 unwrapped; (BLOCK_M, BLOCK_N) in bounds
     M, N,
     SPLIT_K: tl.constexpr,
@@ -219,6 +219,8 @@ def split_k_sum(
     last = ticket == SPLIT_K - 1
     total = acc
     if last:
+        # Hand the counter back zeroed: eager launches reuse one buffer (direct.tickets).
+        tl.store(tickets_ptr + tl.program_id(0), 0)
         # .cg: read the other programs' slices from L2, past this SM's (incoherent) L1.
         total = tl.load(partial_ptr + tile, mask=mask, other=0, cache_modifier=".cg")
         for s in tl.static_range(1, SPLIT_K):

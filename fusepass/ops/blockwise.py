@@ -53,7 +53,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import triton_op
 
 from ..kernels.blockwise_launch import launch_scaled_mm_blockwise
-from . import reference
+from . import eager, reference
 from .checks import check_out_dtype, check_scaled_mm_blockwise_args
 from .scaled_mm import IMPLS, _plain_eager
 
@@ -91,6 +91,6 @@ def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
     Returns a contiguous [M, N] tensor. Same as ``torch.ops.fusepass.scaled_mm_blockwise``.
     """
     if _plain_eager(a, b, scale_a, scale_b, bias):
-        return scaled_mm_blockwise_impl(a, b, scale_a, scale_b, out_dtype, bias)
+        return eager.call(scaled_mm_blockwise_impl, a, b, scale_a, scale_b, out_dtype, bias)
     check_out_dtype(OP, out_dtype)  # (the dispatcher's own error is less clear)
     return torch.ops.fusepass.scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)

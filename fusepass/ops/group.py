@@ -32,7 +32,6 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 from torch.library import triton_op
 
-from ..kernels import launch_scaled_mm
 from ..kernels.group_launch import MAX_MEMBERS, launch_scaled_mm_group, launch_variant
 from .checks import check_out_dtype, check_scaled_mm_args
 from .scaled_mm import IMPLS, _compute, _plain_eager

@@ -29,7 +29,9 @@ Each op is a ``torch.library.triton_op``: its implementation below (input checks
 CPU reference of ``reference.py`` on CPU tensors, or the fused Triton kernel of
 ``fusepass.kernels`` on CUDA ones) runs eagerly, serves as the fake implementation on fake
 tensors, and is what Inductor traces into its graph, where the kernels are launched by
-Inductor's own generated code (see ``fusepass.kernels.launch``).
+Inductor's own generated code (see ``fusepass.kernels.launch``). The Python wrappers at the
+end (``fusepass.scaled_mm`` ...) call it without the dispatcher where they may, and repeat a
+checked call's launch for later calls with the same argument facts (``eager.py``).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import triton_op
 
 from ..kernels import launch_scaled_mm
-from . import reference
+from ..kernels.launch import known
+from . import eager, reference
 from .checks import check_int_mm_args, check_out_dtype, check_scaled_mm_args
 
 Tensor = torch.Tensor
@@ -54,7 +56,7 @@ def _compute(a, b, scale_a, scale_b, out_dtype, bias, azp_adj=None, azp=None) ->
         if azp_adj is None:
             return reference.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
         return reference.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
-    if statically_known_true(a.shape[1] == 0):  # empty sum: only the epilogue of a zero accumulator
+    if known(a.shape[1] == 0):  # empty sum: only the epilogue of a zero accumulator
         acc = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
         if out_dtype == torch.int32:
             return acc
@@ -108,10 +110,10 @@ for _name, _impl in (("scaled_mm", scaled_mm_impl), ("scaled_mm_azp", scaled_mm_
 
 
 def _plain_eager(*tensors) -> bool:
-    """True where a call may skip the dispatcher and run the implementation directly: eager
-    (not traced, no mode, no functorch transform), plain tensors, nothing that needs
-    autograd. The dispatcher's Python custom-op path costs ~65 us a call on the H200's
-    host (benchmarks/NOTES.md); every input check still runs. Anything else goes through
+    """True where a call may skip the dispatcher and run the implementation directly
+    (``eager.call``): eager (not traced, no mode, no functorch transform), plain tensors,
+    nothing that needs autograd. The dispatcher's Python custom-op path costs 25-30 us a
+    call on the H200's host (benchmarks/NOTES.md, run 14). Anything else goes through
     ``torch.ops.fusepass.*``, which also raises the autograd error."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack()):
@@ -131,7 +133,7 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
     fp8 in fp32; the epilogue runs in fp32. Same as ``torch.ops.fusepass.scaled_mm``.
     """
     if _plain_eager(a, b, scale_a, scale_b, bias):
-        return scaled_mm_impl(a, b, scale_a, scale_b, out_dtype, bias)
+        return eager.call(scaled_mm_impl, a, b, scale_a, scale_b, out_dtype, bias)
     check_out_dtype("fusepass.scaled_mm", out_dtype)  # (the dispatcher's own error is less clear)
     return torch.ops.fusepass.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
 
@@ -147,7 +149,7 @@ def scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=Non
     ``torch.ops.fusepass.scaled_mm_azp``.
     """
     if _plain_eager(a, b, scale_a, scale_b, azp_adj, azp, bias):
-        return scaled_mm_azp_impl(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
+        return eager.call(scaled_mm_azp_impl, a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
     check_out_dtype("fusepass.scaled_mm_azp", out_dtype)  # (the dispatcher's own error is less clear)
     return torch.ops.fusepass.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
 
@@ -156,5 +158,5 @@ def int_mm(a, b) -> Tensor:
     """int8 [M, K] x int8 [K, N] -> exact int32 [M, N], at every M (``torch._int_mm`` on
     CUDA needs M > 16). Same as ``torch.ops.fusepass.int_mm``."""
     if _plain_eager(a, b):
-        return int_mm_impl(a, b)
+        return eager.call(int_mm_impl, a, b)
     return torch.ops.fusepass.int_mm(a, b)

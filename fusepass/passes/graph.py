@@ -62,7 +62,9 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, cls = stack[-1]
-    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", path)  # the compiled object: L['self'], L['fn'], a global
+    # The compiled object: L['self'], L['fn'], a global, or an argument of a wrapper Dynamo
+    # compiles instead (L['args'][0]: a transformers 5.24 model under torch.compile).
+    path = re.sub(r"^[LG]\['[^']*'\](\[(\d+|'[^']*')\])*\.?", "", path)
     path = re.sub(r"\._modules\['([^']*)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
     return path.strip(".") or getattr(cls, "__name__", str(cls))
 

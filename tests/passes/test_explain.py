@@ -40,3 +40,23 @@ def test_explain_logs_each_decision(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("fusepass: fused _int_mm (int8[24, 64] x int8[64, 40]) into fusepass.scaled_mm") for m in messages)
     assert any("left _int_mm_1" in m and "used by 2 ops" in m for m in messages)
+
+
+def test_module_paths_as_named_modules_spells_them():
+    import torch.fx as fx
+
+    from fusepass.passes.graph import module_path
+
+    node = fx.Graph().placeholder("x")
+    for stack_path, want in [
+        ("L['self'].layers[0]._modules['q_proj']", "layers.0.q_proj"),
+        ("L['fn'].mlp.down_proj", "mlp.down_proj"),
+        ("G['model'].lm_head", "lm_head"),
+        # transformers 5.24: Dynamo compiles a wrapper that takes the model as its first argument
+        ("L['args'][0].model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj"),
+        ("L['kwargs']['model'].lm_head", "lm_head"),
+    ]:
+        node.meta["nn_module_stack"] = {"k": (stack_path, torch.nn.Linear)}
+        assert module_path(node) == want, stack_path
+    node.meta["nn_module_stack"] = {"k": ("L['self']", TwoLinears)}
+    assert module_path(node) == "TwoLinears"
