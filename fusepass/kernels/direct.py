@@ -9,7 +9,8 @@ None; a constexpr), the device. So:
 
 - ``DirectLauncher`` keeps, per such facts, the ``CompiledKernel`` that Triton's first launch
   returned, and launches it through its own launcher (``compiled[grid](*args, stream=...)``,
-  Triton's launch hooks included).
+  Triton's launch hooks included). Triton's compile options read from its knobs
+  (``knobs.runtime.debug`` ...) are those of a kernel's first launch with given facts.
 - ``Replay`` goes one step further for a whole op call (``fusepass.ops.eager``): recorded
   from the one launch of a first call, it repeats that launch for later calls whose
   arguments have the same facts, with their tensors, a new output and new scratch.
@@ -55,6 +56,9 @@ class DirectLauncher:
         return lambda *args, **meta: self.run(grid, args, meta)
 
     def run(self, grid, args: tuple, meta: dict):
+        if getattr(self.kernel, "pre_run_hooks", None):  # (a sanitizer's or profiler's, added later)
+            self.kernel[grid](*args, **meta)
+            return None
         key = (torch.cuda.current_device(),
                *[(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v for v in args],
                *meta.items())
@@ -98,6 +102,12 @@ _SCRATCH: dict = {}  # (device, stream) -> {"tickets": int32 zeros, acc dtype: p
 MAX_KEPT_PARTIAL_BYTES = 64 << 20
 
 
+def release_scratch() -> None:
+    """Drop the split-K buffers kept for eager launches (``split_scratch``), e.g. before
+    ``torch.cuda.empty_cache()``; the next split launch on a stream makes them again."""
+    _SCRATCH.clear()
+
+
 def split_scratch(split_k: int, tiles: int, M: int, N: int, acc_dtype: torch.dtype, device: torch.device):
     """``(partial, tickets)`` for an eager split-K launch on the current stream: room for the
     (split_k, M, N) slices (1-D: the kernel only offsets the pointer), and zeroed ticket
@@ -135,14 +145,14 @@ class Replay:
 
     def __init__(self, entry, grid, args, inputs: tuple, out, scratch: dict, prepare=None):
         self.entry, self.grid, self.prepare = entry, grid, prepare
-        self.template = list(args)  # ints, None and other constants stay as they are
+        # Ints, None and other constants stay as they are; tensors are left out (a kept plan
+        # must not keep its first call's tensors alive) and put in per call.
+        self.template = [None if isinstance(v, torch.Tensor) else v for v in args]
         self.inputs = []  # (argument position, index into the op's tensors)
         for pos, v in enumerate(args):
             if v is out:
                 self.out_pos = pos
-            if (scratch and pos in scratch[:2]) or v is out:
-                self.template[pos] = None
-            elif isinstance(v, torch.Tensor):
+            elif isinstance(v, torch.Tensor) and not (scratch and pos in scratch[:2]):
                 index = next(i for i, t in enumerate(inputs) if t is v)  # StopIteration: a copy
                 self.inputs.append((pos, index))
         self.out = (tuple(out.shape), out.stride(), out.dtype)

@@ -219,7 +219,7 @@ def split_k_sum(
     last = ticket == SPLIT_K - 1
     total = acc
     if last:
-        # Hand the counter back zeroed: eager launches reuse one buffer (direct.tickets).
+        # Hand the counter back zeroed: eager launches reuse one buffer (direct.split_scratch).
         tl.store(tickets_ptr + tl.program_id(0), 0)
         # .cg: read the other programs' slices from L2, past this SM's (incoherent) L1.
         total = tl.load(partial_ptr + tile, mask=mask, other=0, cache_modifier=".cg")

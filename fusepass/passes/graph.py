@@ -64,8 +64,8 @@ def module_path(node: fx.Node) -> str:
     path, cls = stack[-1]
     # The compiled object: L['self'], L['fn'], a global, or an argument of a wrapper Dynamo
     # compiles instead (L['args'][0]: a transformers 5.24 model under torch.compile).
-    path = re.sub(r"^[LG]\['[^']*'\](\[(\d+|'[^']*')\])*\.?", "", path)
-    path = re.sub(r"\._modules\['([^']*)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
+    path = re.sub(r"^L\['(args|kwargs)'\]\[[^\]]*\]\.?|^[LG]\['[^']*'\]\.?", "", path)
+    path = re.sub(r"(?:^|\.)_modules\['([^']*)'\]|\[(\d+)\]", lambda m: "." + (m.group(1) or m.group(2)), path)
     return path.strip(".") or getattr(cls, "__name__", str(cls))
 
 

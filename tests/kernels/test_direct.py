@@ -13,6 +13,8 @@ from fusepass.ops import eager
 from tests.blockwise_data import make_block_problem
 from tests.helpers import make_problem
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 class _Compiled:
     def __init__(self, log):
@@ -106,6 +108,21 @@ def test_record_keeps_no_replay_of_a_copied_input():
     direct.record("entry", (1,), (a, out), out, None)  # outside a recording: nothing kept
 
 
+def test_split_k_hands_its_counters_back_zeroed(monkeypatch):
+    """One counter buffer across launches (as eager launches on one stream share it): each
+    launch must find it zeroed, so each launch's last programs must zero it again."""
+    tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+    monkeypatch.setattr(launch, "split_scratch", lambda split_k, tiles, M, N, dtype, device: (
+        torch.empty(split_k * M * N, dtype=dtype, device=device), tickets))
+    for seed, (M, N, K) in enumerate([(5, 33, 96), (16, 64, 128), (1, 100, 200)]):
+        p = make_problem(M, N, K, device=DEVICE, seed=seed)
+        unsplit = launch.launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, config=Config(16, 32, 32))
+        split = launch.launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32,
+                                        config=Config(16, 32, 32, split_k=3))
+        assert torch.equal(split, unsplit)  # int8: the same int32 sums
+        assert not tickets.any()
+
+
 def test_split_scratch_off_the_gpu_is_made_afresh():
     partial, tickets = direct.split_scratch(3, 5, 2, 4, torch.float32, torch.device("cpu"))
     assert partial.shape == (24,) and partial.dtype == torch.float32
@@ -141,19 +158,56 @@ def _calls():
     return calls
 
 
+def _same_facts(t, seed: int):
+    """Another tensor with ``t``'s dtype, shape, strides, storage offset (so alignment) and
+    device, and other values."""
+    if not isinstance(t, torch.Tensor):
+        return t
+    g = torch.Generator().manual_seed(seed)
+    n = t.untyped_storage().nbytes() // t.element_size()
+    if t.dtype == torch.int8:
+        base = torch.randint(-128, 128, (n,), generator=g, dtype=torch.int8)
+    elif t.dtype == torch.int32:
+        base = torch.randint(-100, 100, (n,), generator=g, dtype=torch.int32)
+    elif t.dtype == torch.float8_e4m3fn:
+        base = torch.randn(n, generator=g).to(t.dtype)
+    else:
+        base = (torch.rand(n, generator=g) * 0.01 + 1e-3).to(t.dtype)
+    return base.to(t.device).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
 @pytest.mark.gpu
 def test_eager_calls_repeat_their_first_launch_bit_for_bit(monkeypatch):
     repeats = []
     replay = direct.Replay.__call__
     monkeypatch.setattr(direct.Replay, "__call__", lambda self, inputs: repeats.append(1) or replay(self, inputs))
     for name, args in _calls():
-        want = getattr(torch.ops.fusepass, name)(*args)  # the dispatcher's path: no repeats
-        outs = [getattr(fusepass, name)(*args) for _ in range(3)]
-        for out in outs:
-            assert torch.equal(out, want), name
-        assert len(repeats) == 2, name  # the first call ran the implementation, the others repeated it
+        op, wrapper = getattr(torch.ops.fusepass, name), getattr(fusepass, name)
+        assert torch.equal(wrapper(*args), op(*args)), name  # the first call: the implementation
+        for seed in range(2):  # the same facts, other tensors: repeats, with their own tensors
+            other = tuple(_same_facts(v, seed) for v in args)
+            assert torch.equal(wrapper(*other), op(*other)), name  # (op: the dispatcher's path, no repeat)
+        assert len(repeats) == 2, name
         repeats.clear()
     assert _tickets_zero()
+
+
+@pytest.mark.gpu
+def test_eager_call_that_passes_one_tensor_twice():
+    p = make_problem(8, 64, 64, device="cuda", sa_shape=(), sb_shape=())
+    s = torch.full((), 0.5, device="cuda")
+    plans = len(eager._PLANS)
+    twice = fusepass.scaled_mm(p.a, p.b, s, s, torch.float32)
+    assert torch.equal(twice, torch.ops.fusepass.scaled_mm(p.a, p.b, s, s, torch.float32))
+    assert len(eager._PLANS) == plans  # not recorded: which argument went where is ambiguous
+    for _ in range(2):  # recorded from distinct tensors, then repeated for both kinds of call
+        assert torch.equal(fusepass.scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32),
+                           torch.ops.fusepass.scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32))
+        assert torch.equal(fusepass.scaled_mm(p.a, p.b, s, s, torch.float32), twice)
+    x = p.a[:, :8].contiguous()  # square: int_mm(x, x)
+    assert torch.equal(fusepass.int_mm(x, x), torch.ops.fusepass.int_mm(x, x))
+    y = _same_facts(x, 1)
+    assert torch.equal(fusepass.int_mm(x, y), torch.ops.fusepass.int_mm(x, y))
 
 
 @pytest.mark.gpu

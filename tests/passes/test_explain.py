@@ -55,6 +55,9 @@ def test_module_paths_as_named_modules_spells_them():
         # transformers 5.24: Dynamo compiles a wrapper that takes the model as its first argument
         ("L['args'][0].model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.q_proj"),
         ("L['kwargs']['model'].lm_head", "lm_head"),
+        ("G['layers'][3].mlp", "3.mlp"),  # an indexed root keeps its index
+        ("L['self']._modules['0']", "0"),
+        ("L['self'][0]", "0"),
     ]:
         node.meta["nn_module_stack"] = {"k": (stack_path, torch.nn.Linear)}
         assert module_path(node) == want, stack_path
