@@ -101,8 +101,8 @@ def decode_splits(fake: bool, symbolic_m: bool) -> bool:
     """Whether a decode launch may split K (the configs' ``split_decode``).
 
     Eagerly: yes. A warm-up outside a stream capture must compile the kernel the capture
-    then launches (a Triton compile inside a capture can fail), and the counters' zeroing is
-    a memset there. Traced: where its launches are hidden in a CUDA graph, as far as it is
+    then launches (a Triton compile inside a capture can fail), and the counters come zeroed
+    from the last launch on the stream (``direct.split_scratch``). Traced: where its launches are hidden in a CUDA graph, as far as it is
     known while Inductor compiles: its ``triton.cudagraphs`` option (``mode="reduce-overhead"``
     or ``"max-autotune"``; part of the FX-graph-cache key), or the fusepass pass's
     ``PassConfig.split_k_outside_cuda_graphs`` for code that its caller captures (read from
