@@ -86,7 +86,8 @@ _LAUNCHERS: dict = {}  # id(kernel) -> its DirectLauncher (which holds the kerne
 
 def launcher(kernel, fake: bool):
     """What to launch ``kernel`` through: a ``wrap_triton`` node where traced, the kernel
-    itself under the interpreter, else its ``DirectLauncher``."""
+    itself under the interpreter, else its ``DirectLauncher`` (never ``wrap_triton`` eagerly:
+    outside a trace it dispatches through a higher-order op, 400 us a call, H200 host)."""
     if fake:
         return wrap_triton(kernel)
     if type(kernel).__name__ == "InterpretedFunction":

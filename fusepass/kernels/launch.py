@@ -102,11 +102,12 @@ def decode_splits(fake: bool, symbolic_m: bool) -> bool:
 
     Eagerly: yes. A warm-up outside a stream capture must compile the kernel the capture
     then launches (a Triton compile inside a capture can fail), and the counters come zeroed
-    from the last launch on the stream (``direct.split_scratch``). Traced: where its launches are hidden in a CUDA graph, as far as it is
-    known while Inductor compiles: its ``triton.cudagraphs`` option (``mode="reduce-overhead"``
-    or ``"max-autotune"``; part of the FX-graph-cache key), or the fusepass pass's
-    ``PassConfig.split_k_outside_cuda_graphs`` for code that its caller captures (read from
-    Inductor's config, so it holds for ops the pass lowers and for ops AOTAutograd decomposes).
+    from the last launch on the stream (``direct.split_scratch``). Traced: where its
+    launches are hidden in a CUDA graph, as far as it is known while Inductor compiles: its
+    ``triton.cudagraphs`` option (``mode="reduce-overhead"`` or ``"max-autotune"``; part of
+    the FX-graph-cache key), or the fusepass pass's ``PassConfig.split_k_outside_cuda_graphs``
+    for code that its caller captures (read from Inductor's config, so it holds for ops the
+    pass lowers and for ops AOTAutograd decomposes).
     Not for a symbolic M: its ``cond`` is control flow, which Inductor keeps out of its CUDA
     graphs (torch 2.13's graph partition)."""
     if not fake:
