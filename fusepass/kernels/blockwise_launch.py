@@ -22,7 +22,7 @@ from .blockwise import blockwise_mm_kernel
 from .configs import Config, cdiv, decode_unsplit, fit, merge_buckets, sm_count
 from .direct import launcher, record
 from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, decode_splits, new_output,
-                     on_device, split_k_buffers, split_k_scratch)
+                     on_device, split_k_buffers)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -98,7 +98,7 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
         a, b, out,
         scale_a, scale_b,
         bias,  # None when unused (a constexpr: see launch._run)
-        partial, tickets,  # (positions 6 and 7)
+        partial, tickets,
         M, N, K,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
@@ -117,7 +117,7 @@ def _run(cfg: Config, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None)
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not fake:
-        record(entry, grid, args, out, split_k_scratch(partial, (6, 7), cfg.split_k, grid[0], M, N))
+        record(entry, grid, args, out, None if partial is None else (partial, tickets))
     return out
 
 

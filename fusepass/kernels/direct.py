@@ -35,6 +35,11 @@ from torch.library import wrap_triton
 MAX_ENTRIES = 4096
 
 
+def _three(grid: tuple) -> tuple:
+    """A grid of all three axes, as a CompiledKernel takes it."""
+    return (*grid, 1, 1)[:3]
+
+
 def launch_compiled(entry: tuple, grid: tuple, args, device: int | None = None) -> None:
     """Launch ``entry`` = (CompiledKernel, its constexpr values) on the current stream of
     ``device`` (the current device's index where the caller has it at hand)."""
@@ -52,7 +57,7 @@ class DirectLauncher:
         self.compiled: dict = {}  # specialization facts -> (CompiledKernel, constexpr values in order)
 
     def __getitem__(self, grid: tuple):
-        grid = (*grid, 1, 1)[:3]  # a CompiledKernel takes all three
+        grid = _three(grid)
         return lambda *args, **meta: self.run(grid, args, meta)
 
     def run(self, grid, args: tuple, meta: dict):
@@ -142,22 +147,35 @@ _RECORDING: ContextVar = ContextVar("fusepass_recording", default=None)
 class Replay:
     """The one launch of an eager op call, to repeat on arguments of the same facts (dtypes,
     shapes, strides, devices, alignment; ``fusepass.ops.eager`` keys them): the same kernel,
-    grid and sizes, with the call's own tensors, a new output and new scratch."""
+    grid and sizes, with the call's own tensors, a new output and new scratch.
 
-    def __init__(self, entry, grid, args, inputs: tuple, out, scratch: dict, prepare=None):
-        self.entry, self.grid, self.prepare = entry, grid, prepare
+    ``split``: the launch's split-K ``(partial, tickets)``, or None; the grid is (tiles,
+    split_k), as both split kernels take it (``scaled_mm.split_k_sum``)."""
+
+    def __init__(self, entry, grid, args, inputs: tuple, out, split: tuple | None, prepare=None):
+        self.entry, self.grid, self.prepare = entry, _three(grid), prepare
         # Ints, None and other constants stay as they are; tensors are left out (a kept plan
         # must not keep its first call's tensors alive) and put in per call.
         self.template = [None if isinstance(v, torch.Tensor) else v for v in args]
         self.inputs = []  # (argument position, index into the op's tensors)
+        partial, tickets = split or (None, None)
         for pos, v in enumerate(args):
+            if not isinstance(v, torch.Tensor):
+                continue
             if v is out:
                 self.out_pos = pos
-            elif isinstance(v, torch.Tensor) and not (scratch and pos in scratch[:2]):
+            elif v is partial:
+                partial_pos = pos
+            elif v is tickets:
+                tickets_pos = pos
+            else:
                 index = next(i for i, t in enumerate(inputs) if t is v)  # StopIteration: a copy
                 self.inputs.append((pos, index))
         self.out = (tuple(out.shape), out.stride(), out.dtype)
-        self.scratch = scratch  # None, or (partial's position, tickets' position, split_scratch's arguments)
+        self.scratch = None  # (partial's position, tickets' position, split_scratch's arguments)
+        if split is not None:
+            spec = (self.grid[1], self.grid[0], out.shape[0], out.shape[1], partial.dtype)
+            self.scratch = (partial_pos, tickets_pos, spec)
 
     def __call__(self, inputs: tuple) -> torch.Tensor:
         """Launch on ``inputs`` (the op's tensors; ``inputs[0]`` on the current device)."""
@@ -190,16 +208,15 @@ def recording(inputs: tuple):
         _RECORDING.reset(token)
 
 
-def record(entry, grid, args: tuple, out: torch.Tensor, scratch: tuple | None, prepare=None) -> None:
-    """Note an eager launch for ``recording``: ``scratch`` is None, or the positions of its
-    split-K partial slices and tickets and ``split_scratch``'s arguments but the device;
-    ``prepare`` runs before each repeat."""
+def record(entry, grid, args: tuple, out: torch.Tensor, split: tuple | None = None, prepare=None) -> None:
+    """Note an eager launch for ``recording``: ``split`` is its split-K ``(partial, tickets)``
+    or None; ``prepare`` runs before each repeat."""
     state = _RECORDING.get()
     if state is None:
         return
     inputs, launches = state
     try:
-        replay = None if entry is None else Replay(entry, (*grid, 1, 1)[:3], args, inputs, out, scratch, prepare)
+        replay = None if entry is None else Replay(entry, grid, args, inputs, out, split, prepare)
     except StopIteration:  # a tensor that is none of the call's own (a contiguous copy)
         replay = None
     launches.append((replay, out))

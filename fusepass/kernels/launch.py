@@ -122,14 +122,8 @@ def decode_splits(fake: bool, symbolic_m: bool) -> bool:
     return bool(config.triton.cudagraphs) and not symbolic_m
 
 
-def known(cond) -> bool:
-    """``statically_known_true`` at a bool's cost where ``cond`` is one (eager calls: ~0.5 us
-    a call saved, several a launch)."""
-    return cond if type(cond) is bool else statically_known_true(cond)
-
-
 def _per_element(v: torch.Tensor | None) -> bool:
-    return v is not None and not known(v.numel() == 1)
+    return v is not None and not statically_known_true(v.numel() == 1)
 
 
 def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp):
@@ -152,7 +146,7 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
         # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
         # Inductor gets no second alias of a tensor to clone.
         scale_a, scale_b, bias, azp_adj, azp,
-        partial, tickets,  # (positions 8 and 9: SPLIT_ARGS)
+        partial, tickets,
         M, N, K,
         a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
@@ -165,22 +159,12 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
         GROUP_M=cfg.group_m,
         SPLIT_K=cfg.split_k,
         USE_TMA=tma,
-        EVEN_K=known(K % cfg.block_k == 0),
+        EVEN_K=statically_known_true(K % cfg.block_k == 0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not fake:
-        record(entry, grid, args, out, split_k_scratch(partial, SPLIT_ARGS, cfg.split_k, grid[0], M, N), prepare)
+        record(entry, grid, args, out, None if partial is None else (partial, tickets), prepare)
     return out
-
-
-SPLIT_ARGS = (8, 9)  # where scaled_mm_kernel takes (partial, tickets)
-
-
-def split_k_scratch(partial, positions: tuple, split_k: int, tiles: int, M: int, N: int):
-    """How a repeated launch (``direct.Replay``) gets its split-K scratch: None unsplit."""
-    if partial is None:
-        return None
-    return (*positions, (split_k, tiles, M, N, partial.dtype))
 
 
 def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device, fake: bool):
@@ -246,7 +230,7 @@ def launch_scaled_mm(
     tuning). Works on CUDA tensors, on CPU tensors under TRITON_INTERPRET=1, and traced.
     """
     N = b.shape[1]
-    if known(a.shape[0] == 0) or known(N == 0):
+    if statically_known_true(a.shape[0] == 0) or statically_known_true(N == 0):
         return torch.empty((a.shape[0], N), dtype=out_dtype, device=a.device)
     fake = _traced(a)
     scale_a, scale_b, bias, azp_adj, azp = (_flat(t, fake) for t in (scale_a, scale_b, bias, azp_adj, azp))
@@ -258,7 +242,7 @@ def launch_scaled_mm(
         RAW_ACC=out_dtype in ACC_DTYPES,
     )
     M, K = a.shape
-    if config is None and (not fake or all(map(is_concrete_int, (M, N, K)))):  # eager, or a static trace
+    if config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
         split = decode_splits(fake, symbolic_m=False)
         config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split)
     if config is not None:

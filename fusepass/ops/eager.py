@@ -44,8 +44,11 @@ def call(impl, *args):
         out = impl(*args)
     # A call that passes one tensor twice (scaled_mm(a, b, s, s, ...)) is not recorded: which
     # argument a launch's tensor came from is told by identity, and would be ambiguous.
-    if len({id(t) for t in tensors}) == len(tensors) and len(launches) == 1 and launches[0][0] is not None and launches[0][1] is out:
-        if len(_PLANS) >= direct.MAX_ENTRIES:
-            _PLANS.clear()
-        _PLANS[key] = launches[0][0]
+    distinct = len({id(t) for t in tensors}) == len(tensors)
+    if distinct and len(launches) == 1:
+        (replay, launched), = launches
+        if replay is not None and launched is out:
+            if len(_PLANS) >= direct.MAX_ENTRIES:
+                _PLANS.clear()
+            _PLANS[key] = replay
     return out

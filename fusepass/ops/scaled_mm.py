@@ -39,10 +39,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import triton_op
 
 from ..kernels import launch_scaled_mm
-from ..kernels.launch import known
 from . import eager, reference
 from .checks import check_int_mm_args, check_out_dtype, check_scaled_mm_args
 
@@ -56,7 +56,7 @@ def _compute(a, b, scale_a, scale_b, out_dtype, bias, azp_adj=None, azp=None) ->
         if azp_adj is None:
             return reference.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
         return reference.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
-    if known(a.shape[1] == 0):  # empty sum: only the epilogue of a zero accumulator
+    if statically_known_true(a.shape[1] == 0):  # empty sum: only the epilogue of a zero accumulator
         acc = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
         if out_dtype == torch.int32:
             return acc

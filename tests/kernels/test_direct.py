@@ -83,16 +83,16 @@ def test_replay_repeats_a_launch_with_the_calls_own_tensors(monkeypatch):
     monkeypatch.setattr(direct, "launch_compiled", lambda entry, grid, args, device: launched.append((entry, grid, args)))
     monkeypatch.setattr(direct, "split_scratch", lambda *spec: (("partial", spec), ("tickets", spec)))
     a, b, out = torch.ones(2, 3), torch.ones(3, 4), torch.empty(4, 2).t()
-    args = (a, b, out, None, torch.empty(24), torch.zeros(9), 7, True)
+    args = (a, b, out, None, torch.empty(24, dtype=torch.int32), torch.zeros(9), 7, True)
     spec = (3, 9, 2, 4, torch.int32)  # split_k, tiles, M, N, the partial slices' dtype
     with direct.recording((a, b)) as launches:
-        direct.record("entry", (1, 2), args, out, (4, 5, spec))
+        direct.record("entry", (9, 3), args, out, (args[4], args[5]))  # grid (tiles, split_k)
     (replay, recorded_out), = launches
     assert recorded_out is out
     a2, b2 = a + 1, b + 1
     new = replay((a2, b2))
     (entry, grid, got), = launched
-    assert (entry, grid) == ("entry", (1, 2, 1))
+    assert (entry, grid) == ("entry", (9, 3, 1))
     assert got[0] is a2 and got[1] is b2 and got[2] is new and got[3] is None
     assert got[4] == ("partial", (*spec, a2.device)) and got[5] == ("tickets", (*spec, a2.device))
     assert tuple(got[6:]) == (7, True)
