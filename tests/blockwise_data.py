@@ -45,7 +45,7 @@ def make_block_problem(M, N, K, *, bias_dtype=None, m_major=False, device="cpu",
 
 def expand_scales(p: BlockProblem) -> tuple[torch.Tensor, torch.Tensor]:
     """The scales spread over every element: [M, K] and [K, N], float64."""
-    (M, K), N = p.a.shape, p.b.shape[1]
+    K, N = p.a.shape[1], p.b.shape[1]
     sa = p.scale_a.double().repeat_interleave(BLOCK, 1)[:, :K]
     sb = p.scale_b.double().repeat_interleave(BLOCK, 0)[:K].repeat_interleave(BLOCK, 1)[:, :N]
     return sa, sb

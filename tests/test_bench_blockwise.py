@@ -21,7 +21,7 @@ def test_smoke_run_checks_and_writes_results(bench, tmp_path, capsys):
     assert result["smoke"] and result["ceilings"] is None
     (row,) = result["rows"]
     assert (row["M"], row["N"], row["K"]) == (4, 200, 300)
-    ours = ["fusepass blockwise", "fp8 dequant + bf16 eager"] + (["fusepass blockwise kernel"] if not torch.cuda.is_available() else [])
+    ours = ["fusepass blockwise", "fp8 dequant + bf16 eager", bench.KERNEL]
     for name in ours:
         assert row["us"][name] > 0 and row["rel_err"][name] < 1e-2, name
     assert row["us"]["bf16 F.linear"] > 0
@@ -67,3 +67,20 @@ def test_real_run_needs_a_gpu(bench):
         pytest.skip("has a GPU")
     with pytest.raises(SystemExit):
         bench.main(["--shapes", "8b"])
+
+
+def test_summary_crossover_is_the_kernels(bench):
+    """With the Triton kernel's own row, the crossover is the kernel's (the op runs cuBLAS's
+    GEMM at large M, so its own row ties cuBLAS there)."""
+    def row(M, ours, kernel, cublas):
+        return {"M": M, "N": 4096, "K": 4096, "us": {"fusepass blockwise": ours, bench.KERNEL: kernel,
+                                                     "fp8 torch._scaled_mm block-wise": cublas,
+                                                     "fp8 dequant + bf16 eager": 3 * ours}}
+
+    lines = bench.summarize({"rows": [row(16, 10, 10, 20), row(1024, 10, 15, 10)]})
+    assert lines[:4] == ["M=16: 2.00x cuBLAS block-wise (min 2.00x, max 2.00x); 3.00x the dequantize + bf16 path",
+                         "M=16: the Triton kernel alone 2.00x cuBLAS block-wise (min 2.00x, max 2.00x)",
+                         "M=1024: 1.00x cuBLAS block-wise (min 1.00x, max 1.00x); 3.00x the dequantize + bf16 path",
+                         "M=1024: the Triton kernel alone 0.67x cuBLAS block-wise (min 0.67x, max 0.67x)"]
+    assert lines[-1].startswith("fused faster than cuBLAS at every shape for every M up to 16 (on an sm90 GPU "
+                                f"the op runs cuBLAS's block-wise GEMM above M = {bench.CUBLAS_ABOVE_M};")

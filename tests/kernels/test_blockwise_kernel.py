@@ -5,6 +5,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.kernels import blockwise_launch as bl
 from fusepass.kernels.blockwise_launch import check_config, launch_scaled_mm_blockwise, select_config
@@ -138,3 +140,99 @@ def test_bad_configs_are_refused(cfg, message):
     p = make_block_problem(2, 24, 40, device=DEVICE)
     with pytest.raises(ValueError, match="^block-wise config: .*" + message.replace("(", r"\(").replace(")", r"\)")):
         launch_scaled_mm_blockwise(*p.args(torch.float32), config=cfg)
+
+
+# --- cuBLAS above CUBLAS_ABOVE_M -------------------------------------------------------------
+# Fake CUDA tensors (no GPU needed) on a pretend sm90: what uses_cublas accepts is what torch
+# 2.11's block-wise torch._scaled_mm took on an H200 (the GPU tests run both paths).
+
+def _fake_problem(M, N=512, K=384, *, b_col_major=True, a_offset=0, bias=None, m_major=True):
+    cuda = dict(device="cuda")
+    a = torch.empty(M * K + a_offset, dtype=torch.float8_e4m3fn, **cuda).as_strided((M, K), (K, 1), a_offset)
+    b = torch.empty(N, K, dtype=torch.float8_e4m3fn, **cuda).t() if b_col_major else torch.empty(K, N, dtype=torch.float8_e4m3fn, **cuda)
+    sa = torch.empty(blocks(K), M, **cuda).t() if m_major else torch.empty(M, blocks(K), **cuda)
+    sb = torch.empty(blocks(N), blocks(K), **cuda).t()
+    return a, b, sa, sb, bias
+
+
+@pytest.fixture
+def sm90(monkeypatch):
+    monkeypatch.setattr(bl, "device_arch", lambda device: "sm90")
+    with FakeTensorMode():
+        yield
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({}, True),
+    (dict(m_major=False), True),  # scale_a copied into cuBLAS's layout
+    (dict(b_col_major=False), False),  # cuBLAS multiplies a row-major a by a column-major b only
+    (dict(a_offset=8), False),  # a's base not 16-byte aligned
+    (dict(K=392), False),  # K not a multiple of 16
+    (dict(N=520), False),  # N not a multiple of 16
+])
+def test_uses_cublas_where_cublas_takes_the_layout(sm90, change, expected):
+    assert bl.uses_cublas(*_fake_problem(300, **change)[:4], torch.bfloat16) is expected
+
+
+@pytest.mark.parametrize("out_dtype,bias_dtype,expected", [
+    (torch.float16, None, True), (torch.float32, None, True),
+    (torch.bfloat16, torch.bfloat16, True),
+    (torch.bfloat16, torch.float32, False),  # cuBLAS would round the bias to bf16 first
+    (torch.float32, torch.float32, False),
+])
+def test_uses_cublas_out_and_bias_dtypes(sm90, out_dtype, bias_dtype, expected):
+    bias = None if bias_dtype is None else torch.empty(512, dtype=bias_dtype, device="cuda")
+    assert bl.uses_cublas(*_fake_problem(300, bias=bias)[:4], out_dtype, bias) is expected
+
+
+def test_uses_cublas_only_on_sm90(monkeypatch):
+    monkeypatch.setattr(bl, "device_arch", lambda device: "sm100")
+    with FakeTensorMode():
+        assert not bl.uses_cublas(*_fake_problem(300)[:4], torch.bfloat16)
+    cpu = make_block_problem(300, 512, 384)
+    assert not bl.uses_cublas(cpu.a, cpu.b, cpu.scale_a, cpu.scale_b, torch.bfloat16)
+
+
+def _traced(M, mode="fake", m_major=True, config=None):
+    """The launch traced (CPU tensors, as symbolic sizes need real examples) where cuBLAS applies."""
+    p = make_block_problem(M, 512, 384, m_major=m_major)
+    gm = make_fx(lambda *t: launch_scaled_mm_blockwise(*t, torch.bfloat16, config=config), tracing_mode=mode)(*p.args(torch.bfloat16)[:4])
+    return gm.print_readable(print_output=False)
+
+
+@pytest.fixture
+def cublas_applies(monkeypatch):
+    monkeypatch.setattr(bl, "uses_cublas", lambda *args: True)
+
+
+def test_large_m_traces_to_cublas_small_m_to_the_kernel(cublas_applies):
+    large = _traced(20)
+    assert large.count("torch.ops.aten._scaled_mm.default") == 1
+    assert "clone" not in large  # M-major scale_a and w_scale.t() go in as they are
+    assert "_scaled_mm" not in _traced(16)
+    assert "_scaled_mm" not in _traced(257)  # cuBLAS refuses an M that is not a multiple of 4
+    assert "clone" in _traced(300, m_major=False)  # a row-major scale_a: copied into cuBLAS's layout
+    assert "_scaled_mm" not in _traced(300, config=bl.select_config(300, 512, 384))  # a given config: the kernel
+
+
+def test_symbolic_m_picks_cublas_at_run_time_above_its_m(cublas_applies, monkeypatch):
+    """The buckets above CUBLAS_ABOVE_M become one cuBLAS choice of the cond chain, which
+    runs the kernel at their configs where M % 4 != 0."""
+    seen = []
+    real = bl._by_m
+    monkeypatch.setattr(bl, "_by_m", lambda choices, *rest: seen.append(choices) or real(choices, *rest))
+    code = _traced(300, mode="symbolic")
+    assert "torch.ops.higher_order.cond" in code and code.count("torch.ops.aten._scaled_mm.default") == 1
+    assert " % 4" in code  # and at M % 4 != 0 the kernel, at run time
+    outer, inner = seen  # the buckets up to CUBLAS_ABOVE_M and cuBLAS; the kernel's buckets above it
+    assert outer[-2][0] == bl.CUBLAS_ABOVE_M and all(isinstance(cfg, Config) for _, cfg in outer[:-1])
+    assert outer[-1] == (None, bl.Cublas(tuple(inner)))
+    assert inner[0][0] > bl.CUBLAS_ABOVE_M and inner[-1][0] is None and all(isinstance(cfg, Config) for _, cfg in inner)
+
+
+def test_outer_major_scales():
+    s = torch.rand(3, 300).t()  # stride (1, 300): as cuBLAS takes it
+    assert bl._outer_major(s) is s
+    row_major = s.contiguous()
+    copy = bl._outer_major(row_major)
+    assert copy.stride() == (1, 300) and torch.equal(copy, row_major)

@@ -2,9 +2,12 @@
 block-wise torch._scaled_mm within PyTorch's own tolerance for it, every config of the table,
 CUDA graphs, and the pass end to end through the fusepass backend."""
 
+from unittest import mock
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.graph import GraphLowering
 
 import fusepass
 from fusepass.kernels import blockwise_launch as bl
@@ -47,7 +50,8 @@ def _quantize(x: torch.Tensor, rows: int):
 @pytest.mark.parametrize("out_dtype", [BF16, torch.float32], ids=str)
 @pytest.mark.parametrize("M,N,K", [(256, 768, 512), (256, 128, 256), (1, 256, 128), (16, 7168, 2048)])
 def test_gpu_matches_cublas_blockwise(M, N, K, out_dtype):
-    """PyTorch's check of its block-wise _scaled_mm (test_scaled_mm_vs_emulated_block_wise):
+    """The Triton kernel (the op runs cuBLAS's GEMM above CUBLAS_ABOVE_M) under PyTorch's check
+    of its block-wise _scaled_mm (test_scaled_mm_vs_emulated_block_wise):
     cosine similarity >= 0.999 and atol/rtol 6e-1/7e-2 (bf16) or 7e-1/2e-3 (fp32) against the
     emulated (dequantized, exact) product, which cuBLAS meets too; and no larger an error than
     cuBLAS's (5% slack: at K = 256 both err 1.79). cuBLAS is the less exact of the two: at (16, 7168, 2048) fp32 its largest
@@ -62,7 +66,7 @@ def test_gpu_matches_cublas_blockwise(M, N, K, out_dtype):
         theirs = torch._scaled_mm(xq, yq.t(), xs, ys.t(), out_dtype=out_dtype)
     except (RuntimeError, NotImplementedError) as e:  # sm90 and cuBLAS >= 12.9 only
         pytest.skip(f"torch._scaled_mm has no block-wise mode here: {str(e).splitlines()[0]}")
-    ours = fusepass.scaled_mm_blockwise(xq, yq.t(), xs, ys.t(), out_dtype)
+    ours = bl.launch_scaled_mm_blockwise(xq, yq.t(), xs, ys.t(), out_dtype, config=bl.select_config(M, N, K, xq.device))
     emulated = ((xq.double() * xs.double().repeat_interleave(BLOCK, 1))
                 @ (yq.double() * ys.double().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)).t())
     atol, rtol = (6e-1, 7e-2) if out_dtype == BF16 else (7e-1, 2e-3)
@@ -74,6 +78,44 @@ def test_gpu_matches_cublas_blockwise(M, N, K, out_dtype):
     assert (ours.double() - emulated).abs().max() <= 1.05 * (theirs.double() - emulated).abs().max()
     cos_hp = torch.nn.functional.cosine_similarity(ours.flatten().float(), (x @ y.t()).flatten().float(), dim=0)
     assert float(cos_hp) >= 0.999  # the scaling is right, not only consistent with cuBLAS's
+
+
+def _cublas(p, out_dtype):
+    sa = p.scale_a.t().contiguous().t()  # cuBLAS takes M-major 1x128 scales
+    return torch._scaled_mm(p.a, p.b, sa, p.scale_b, bias=p.bias, out_dtype=out_dtype)
+
+
+def _kernel(p, out_dtype):
+    M, K = p.a.shape
+    cfg = bl.select_config(M, p.b.shape[1], K, p.a.device)
+    return bl.launch_scaled_mm_blockwise(*p.args(out_dtype), config=cfg)
+
+
+@pytest.mark.parametrize("M,N,K", [(260, 576, 7168), (1024, 4096, 4096), (4096, 7168, 2048)])
+@pytest.mark.parametrize("m_major,bias_dtype,out_dtype", [(True, None, BF16), (False, BF16, BF16),
+                                                          (False, None, torch.float32)], ids=str)
+def test_gpu_large_m_runs_cublas(M, N, K, m_major, bias_dtype, out_dtype):
+    """Above CUBLAS_ABOVE_M on an sm90 GPU: cuBLAS's block-wise GEMM, bit for bit, with a
+    row-major scale_a copied into its layout; a second call with other data of the same
+    layout (the eager path keeps no plan for it) is right too."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("cuBLAS's block-wise GEMM is used on sm90 only")
+    for seed in (0, 1):
+        p = make_block_problem(M, N, K, bias_dtype=bias_dtype, m_major=m_major, device="cuda", seed=seed)
+        out = fusepass.scaled_mm_blockwise(*p.args(out_dtype))
+        assert torch.equal(out, _cublas(p, out_dtype))
+        assert_matches_oracle(out, p, out_dtype, oracle=block_oracle)
+
+
+@pytest.mark.parametrize("case", ["b row-major", "fp32 bias", "K % 16", "M % 4"])
+def test_gpu_large_m_runs_the_kernel_where_cublas_does_not_apply(case):
+    M, N, K = 1025 if case == "M % 4" else 1024, 4096, 4100 if case == "K % 16" else 4096
+    p = make_block_problem(M, N, K, bias_dtype=torch.float32 if case == "fp32 bias" else None, device="cuda")
+    if case == "b row-major":
+        p.b = p.b.contiguous()
+    out = fusepass.scaled_mm_blockwise(*p.args(BF16))
+    assert torch.equal(out, _kernel(p, BF16))
+    assert_matches_oracle(out, p, BF16, oracle=block_oracle)
 
 
 def test_gpu_cuda_graph_replay():
@@ -98,16 +140,26 @@ def _dequant_linear(x, sx, w, sw):
 @pytest.mark.parametrize("M", [1, 16, 300])
 def test_gpu_backend_fuses_the_dequant_form(M):
     """The fusepass backend (Inductor launches the lowered kernel) on the dequantize form; a
-    second M through the same compiled graph (automatic dynamic M: the cond per bucket)."""
+    second and a third M through the same compiled graph (automatic dynamic M: the cond per
+    bucket, and on sm90 a cuBLAS branch above CUBLAS_ABOVE_M, taken where M % 4 == 0)."""
     torch._dynamo.reset()
     counters["fusepass"].clear()
     p = make_block_problem(M, 576, 7168, device="cuda")
     w, sw = p.b.t(), p.scale_b.t()
     fn = torch.compile(lambda x, sx: _dequant_linear(x, sx, w, sw), backend="fusepass")
-    q = make_block_problem(M + 40, 576, 7168, device="cuda", seed=3)
-    q.b, q.scale_b = p.b, p.scale_b  # the compiled function's weight
-    for q in (p, q):
-        assert_matches_oracle(fn(q.a, q.scale_a), q, BF16, oracle=block_oracle)
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    for i, m in enumerate((M, M + 40, M + 39)):
+        q = make_block_problem(m, 576, 7168, device="cuda", seed=i)
+        q.b, q.scale_b = p.b, p.scale_b  # the compiled function's weight
+        codes = []
+        with mock.patch.object(GraphLowering, "save_output_code", codes.append), \
+                torch._inductor.config.patch(fx_graph_cache=False):  # the code as compiled here
+            out = fn(q.a, q.scale_a)
+        assert_matches_oracle(out, q, BF16, oracle=block_oracle)
+        # compiled for the first M (static) and the second (dynamic); the third reuses it
+        assert len(codes) == (1 if i < 2 else 0)
+        if i < 2:
+            assert ("_scaled_mm" in codes[0]) == (sm90 and (i == 1 or M > bl.CUBLAS_ABOVE_M))
     assert counters["fusepass"]["dequant_mm_blockwise"] >= 1
 
 

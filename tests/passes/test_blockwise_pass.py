@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from fusepass.backend import capture_backend
 from fusepass.passes import FusePass
 from tests.blockwise_data import BlockProblem, block_oracle, make_block_problem
-from tests.helpers import assert_matches_oracle
+from tests.helpers import COMPILES_F_SCALED_MM, assert_matches_oracle
 from tests.passes.harness import assert_policy, run_pass
 
 F = torch.nn.functional
@@ -93,7 +93,7 @@ scaled_mm_blockwise_default: f32[8, 200] = fusepass.scaled_mm_blockwise(a, b, sa
 mul: f32[8, 200] = aten.mul.Tensor(scaled_mm_blockwise_default, s_col)
 return [mul]""")
 
-    @pytest.mark.skipif(not hasattr(F, "scaled_mm"), reason="torch.nn.functional.scaled_mm is torch >= 2.12")
+    @COMPILES_F_SCALED_MM
     def test_functional_scaled_mm_padded_scale_b(self):
         """cuBLAS's layouts: M-major scale_a, scale_b's K blocks padded to 4 (torch's meta checks
         take floor(K/128) here, so K and N are whole blocks)."""

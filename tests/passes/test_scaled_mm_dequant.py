@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from fusepass.passes import PassConfig
+from tests.helpers import COMPILES_F_SCALED_MM
 from tests.passes.data import K, M, N, bias, f8, i8, scale
 from tests.passes.harness import assert_policy, run_pass
 
@@ -78,7 +79,7 @@ return [scaled_mm_default]""")
         self.assertEqual((r.counts, r.after), ({}, r.before))
         self.assertIn("kept on cuBLAS", r.decisions[0].reason)
 
-    @pytest.mark.skipif(not hasattr(F, "scaled_mm"), reason="torch.nn.functional.scaled_mm is torch >= 2.12")
+    @COMPILES_F_SCALED_MM
     def test_rows_6_7_functional_scaled_mm(self):
         """F.scaled_mm (aten._scaled_mm_v2): row-wise recipes, then a bias and a cast."""
 
