@@ -10,9 +10,9 @@ every SM reading (M = 16, N = 576, K = 7168: 33.4 us unsplit, 10.2 us in 8 split
 
 Above ``CUBLAS_ABOVE_M`` rows on an sm90 GPU, where the operands are laid out as cuBLAS
 takes them and M is a multiple of 4, the product runs as cuBLAS's block-wise
-``torch._scaled_mm`` instead (``uses_cublas``, ``Cublas``). The Triton kernel, which waits
-for the MMA at every 128-wide group to scale it, beats cuBLAS at every measured shape at
-M = 16, but is 0.94x its speed at M = 64 (geomean) and 0.53-0.88x from M = 1024 up
+``torch._scaled_mm`` instead (``uses_cublas``, ``CublasChoice``). The Triton kernel, which
+waits for the MMA at every 128-wide group to scale it, beats cuBLAS at every measured shape
+at M = 16, but is 0.94x its speed at M = 64 (geomean) and 0.52-0.85x from M = 1024 up
 (benchmarks/NOTES.md, run 15).
 """
 
@@ -27,9 +27,9 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
 from .configs import Config, cdiv, decode_unsplit, device_arch, fit, merge_buckets, sm_count
-from .direct import launcher, record
-from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, decode_splits, new_output,
-                     on_device, split_k_buffers, tma_allowed)
+from .direct import launcher, record, record_call
+from .launch import (GRAPH_SYMBOLS, INTERPRETED, _aligned, _by_m, _flat, _traced, decode_splits, new_output,
+                     on_device, pick, split_k_buffers, tma_allowed)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -48,23 +48,23 @@ CONFIGS = (
 )
 
 
-# Above this M (the buckets of M <= 64 and up), cuBLAS's block-wise GEMM where it applies
-# (``uses_cublas``). H200, torch 2.11 (cuBLAS of CUDA 13.0), 10 Llama-3-8B / DeepSeek-V3
-# shapes, CUDA graphs (benchmarks/NOTES.md, run 15): the Triton kernel is 1.21x cuBLAS's speed
-# at M = 16 (geomean; 1.04-1.73x), then 0.94x at M = 64 (0.66-1.27x), 0.76x at M = 256
-# (0.63-1.26x), 0.59-0.67x from M = 1024 up. (cuBLAS refuses M = 1.)
+# Above this M, cuBLAS's block-wise GEMM where it applies (``uses_cublas``). H200, torch 2.11
+# (cuBLAS of CUDA 13.0), 10 Llama-3-8B / DeepSeek-V3 shapes, CUDA graphs (benchmarks/NOTES.md,
+# run 15): the Triton kernel is 1.21x cuBLAS's speed at M = 16 (geomean; 1.02-1.75x), then
+# 0.94x at M = 64 (0.67-1.27x), 0.76x at M = 256 (0.63-1.26x), 0.59-0.66x from M = 1024 up.
+# (cuBLAS refuses M = 1.) By M alone: at M = 64, N = 4096, K = 14336 and at M = 256, N = 576,
+# K = 7168 cuBLAS takes 1.27x and 1.26x the kernel's time.
 CUBLAS_ABOVE_M = 16
-CUBLAS_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
-class Cublas:
+class CublasChoice:
     """The choice for every M above CUBLAS_ABOVE_M: cuBLAS's block-wise GEMM where M is a
     multiple of 4, else the kernel with the config of M's bucket in ``fallback`` (``[(top,
-    Config)]``, as ``launch._by_m`` takes them). cuBLAS refuses other M
-    (CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11): its M-major ``scale_a`` has rows of M
-    floats, which must be whole 16 bytes, and torch takes that layout with a row stride of M
-    only."""
+    Config)]``, as ``launch._by_m`` takes them). cuBLAS refused M = 257, 258 and 301
+    (CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11), and a ``scale_a`` row stride padded to
+    a multiple of 4 ("Invalid scaling configuration"), while 260 and 300 ran: its M-major
+    ``scale_a`` rows of M floats are, we take it, to be whole 16 bytes."""
 
     fallback: tuple
 
@@ -112,65 +112,72 @@ def bucket_choices(N, K, device=None, split_decode: bool = True) -> list:
                          for row in CONFIGS)
 
 
+def _cuda_at_least(major: int, minor: int) -> bool:
+    version = torch.version.cuda
+    return version is not None and tuple(int(v) for v in version.split(".")[:2]) >= (major, minor)
+
+
 def uses_cublas(a, b, scale_a, scale_b, out_dtype: torch.dtype, bias=None) -> bool:
-    """Whether rows above CUBLAS_ABOVE_M go to cuBLAS's block-wise ``torch._scaled_mm``: an
-    sm90 GPU (where it was measured; torch 2.11 runs it there), and what that call accepts
-    (torch 2.11+cu130, H200, NOTES.md run 15): a row-major ``a`` and a column-major ``b``
-    (``w.t()``) with 16-byte aligned rows, K and N multiples of 16, and a bias, if any, of
-    the output's dtype (the sum is then rounded once, as the op's contract says). The scales
-    go in as cuBLAS takes them (``_cublas``)."""
-    M, K = a.shape
-    N = b.shape[1]
+    """Whether rows above CUBLAS_ABOVE_M go to cuBLAS's block-wise ``torch._scaled_mm``
+    (inputs validated by the op's checks): an sm90 GPU (where it was measured) and a torch
+    built with CUDA >= 12.9 (earlier builds raise "only supported for CUDA 12.9 and above"),
+    and what that call took on an H200 with torch 2.11 (NOTES.md run 15): a row-major ``a``
+    and a column-major ``b`` (``w.t()``) with 16-byte aligned rows, K and N multiples of 16,
+    no bias or a 16-byte aligned bf16 bias with a bf16 output (one rounding, as the op's
+    contract says). And ceil(K/128) a multiple of 4: otherwise torch 2.11's ``_scaled_mm``
+    returns wrong results, without an error (max error 14-31% of sum |a*b| at 1, 5, 11 and 23
+    K blocks, H200, NOTES.md run 15; cuBLASLt reads a 128x128 ``scale_b`` with its K blocks
+    padded to a multiple of 4, as ``F.scaled_mm`` takes them, pytorch/pytorch#166752). The
+    scales go in as cuBLAS takes them (``_cublas_mm``)."""
+    K, N = a.shape[1], b.shape[1]
     fake = _traced(a)
     return (
-        a.device.type == "cuda" and device_arch(a.device) == "sm90"
+        a.device.type == "cuda" and device_arch(a.device) == "sm90" and _cuda_at_least(12, 9)
         and statically_known_true(K % 16 == 0) and statically_known_true(N % 16 == 0)
+        and statically_known_true(cdiv(K, BLOCK) % 4 == 0)
         and tma_allowed(a, b, fake)  # unit stride along K in both, aligned bases and rows
-        and out_dtype in CUBLAS_OUT_DTYPES
-        and (bias is None or (bias.dtype == out_dtype and out_dtype != torch.float32))
-        and scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32
+        and (bias is None or (bias.dtype == out_dtype == torch.bfloat16 and _aligned(bias, 0, fake)))
     )
 
 
 def _outer_major(s: torch.Tensor) -> torch.Tensor:
     """``s`` [R, C] with stride (1, R), as cuBLAS takes block-wise scales: itself, or a copy
-    (scale vectors: M * K / 128 floats of ``a``'s, a few KB of a weight's)."""
+    (torch does not check the stride of a size-1 dimension)."""
     R = s.shape[0]
     if statically_known_true(s.stride(0) == 1) and statically_known_true(s.stride(1) == R):
         return s
     return s.t().contiguous().t()
 
 
-def _cublas(out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
+def _cublas_mm(out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
     """The product through cuBLAS's block-wise GEMM (inputs that ``uses_cublas`` accepts)."""
     return torch._scaled_mm(a, b, _outer_major(scale_a), _outer_major(scale_b), bias=bias, out_dtype=out_dtype)
 
 
 def _cublas_or_kernel(fallback: tuple, out_dtype: torch.dtype, *tensors):
-    """cuBLAS's GEMM where M % 4 == 0, else the kernel (``Cublas``); a ``cond`` on a symbolic M."""
-    M, n = tensors[0].shape[0], len(tensors)
+    """cuBLAS's GEMM where M % 4 == 0, else the kernel (``CublasChoice``); a ``cond`` on a
+    symbolic M. Eagerly the call is recorded for repeats (``direct.CallReplay``)."""
+    M = tensors[0].shape[0]
 
-    def kernel(*ts):
-        return _by_m(list(fallback), lambda cfg, *t: _run(cfg, out_dtype, *t), ts, GRAPH_SYMBOLS.get())
+    def kernel(ops, symbols):
+        return _by_m(list(fallback), lambda cfg, *t: _run(cfg, out_dtype, *t), ops, symbols)
+
+    def cublas(ops, symbols):
+        out = _cublas_mm(out_dtype, *ops)
+        if not _traced(ops[0]):
+            record_call(_cublas_mm, (out_dtype, *ops), out)
+        return out
 
     if statically_known_true(M % 4 == 0):
-        return _cublas(out_dtype, *tensors)
+        return cublas(tensors, GRAPH_SYMBOLS.get())
     if statically_known_true(M % 4 != 0):
-        return kernel(*tensors)
-    from torch._higher_order_ops.cond import cond_op
-
-    (out,) = cond_op(  # 1-tuples, as in launch._by_m
-        M % 4 == 0,
-        lambda *ops: (_cublas(out_dtype, *ops[:n]),),
-        lambda *ops: (kernel(*ops[:n]),),
-        (*tensors, *GRAPH_SYMBOLS.get()),
-    )
-    return out
+        return kernel(tensors, GRAPH_SYMBOLS.get())
+    return pick(M % 4 == 0, cublas, kernel, tensors, GRAPH_SYMBOLS.get())
 
 
-def _run(cfg: Config | Cublas, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
-    """Launch the kernel with one config (or ``Cublas``'s choice); returns the new (M, N) output."""
-    if isinstance(cfg, Cublas):
+def _run(cfg: Config | CublasChoice, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
+    """Launch the kernel with one config (or a ``CublasChoice``); returns the new (M, N) output."""
+    if isinstance(cfg, CublasChoice):
         return _cublas_or_kernel(cfg.fallback, out_dtype, *(t for t in (a, b, scale_a, scale_b, bias) if t is not None))
     M, K = a.shape
     N = b.shape[1]
@@ -216,7 +223,7 @@ def launch_scaled_mm_blockwise(
     bias: torch.Tensor | None = None,
     config: Config | None = None,
 ) -> torch.Tensor:
-    """Run the block-wise kernel on validated inputs (K >= 1) and return a new (M, N) tensor.
+    """Run the block-wise product on validated inputs (K >= 1) and return a new (M, N) tensor.
 
     ``config`` overrides the table (tests, tuning) and always runs the Triton kernel; without
     it, M > CUBLAS_ABOVE_M runs on cuBLAS where ``uses_cublas`` and M % 4 == 0. Works on
@@ -228,23 +235,24 @@ def launch_scaled_mm_blockwise(
         return torch.empty((M, N), dtype=out_dtype, device=a.device)
     fake = _traced(a)
     bias = _flat(bias, fake)
-    cublas = config is None and uses_cublas(a, b, scale_a, scale_b, out_dtype, bias)
+    use_cublas = (config is None and not statically_known_true(M <= CUBLAS_ABOVE_M)
+                  and uses_cublas(a, b, scale_a, scale_b, out_dtype, bias))
     if config is not None:
         check_config(config)
     elif all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
         config = select_config(int(M), int(N), int(K), a.device, decode_splits(fake, symbolic_m=False))
-        if cublas and M > CUBLAS_ABOVE_M:
-            config = Cublas(((None, config),))
+        if use_cublas:
+            config = CublasChoice(((None, config),))
     tensors = (a, b, scale_a, scale_b) + ((bias,) if bias is not None else ())
     if config is not None:
         def launch():
             return _run(config, out_dtype, *tensors)
     else:  # a symbolic size: the config of M's bucket, picked at run time
         choices = bucket_choices(N, K, a.device, decode_splits(fake, symbolic_m=not is_concrete_int(M)))
-        if cublas:  # one cuBLAS choice above CUBLAS_ABOVE_M, holding those buckets' configs
+        if use_cublas:  # one cuBLAS choice above CUBLAS_ABOVE_M, holding those buckets' configs
             above = tuple((top, cfg) for top, cfg in choices if top is None or top > CUBLAS_ABOVE_M)
             choices = [(top, cfg) for top, cfg in choices if top is not None and top <= CUBLAS_ABOVE_M]
-            choices.append((None, Cublas(above)))
+            choices.append((None, CublasChoice(above)))
 
         def launch():
             return _by_m(choices, lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors, GRAPH_SYMBOLS.get())

@@ -14,6 +14,7 @@ None; a constexpr), the device. So:
 - ``Replay`` goes one step further for a whole op call (``fusepass.ops.eager``): recorded
   from the one launch of a first call, it repeats that launch for later calls whose
   arguments have the same facts, with their tensors, a new output and new scratch.
+  ``CallReplay`` does the same for an op call that ran cuBLAS's GEMM instead of a kernel.
 
 Compiled code never comes here: there Inductor launches the kernels itself (``wrap_triton``),
 and under ``TRITON_INTERPRET=1`` the kernel is Python run on the data (``launcher``).
@@ -195,6 +196,24 @@ class Replay:
         return out
 
 
+class CallReplay:
+    """A recorded eager call ``fn(*args)`` that is not a Triton launch (cuBLAS's GEMM), to
+    repeat on a later call's tensors: every tensor in ``args`` must be one of the op call's
+    own (``StopIteration`` otherwise: a copy or a view made for the call)."""
+
+    def __init__(self, fn, args: tuple, inputs: tuple):
+        self.fn = fn
+        self.template = [None if isinstance(v, torch.Tensor) else v for v in args]
+        self.inputs = [(pos, next(i for i, t in enumerate(inputs) if t is v))
+                       for pos, v in enumerate(args) if isinstance(v, torch.Tensor)]
+
+    def __call__(self, inputs: tuple) -> torch.Tensor:
+        args = self.template.copy()
+        for pos, i in self.inputs:
+            args[pos] = inputs[i]
+        return self.fn(*args)
+
+
 @contextmanager
 def recording(inputs: tuple):
     """Collects ``(Replay, output)`` for each launch ``record``-ed inside (``(None, output)``
@@ -218,5 +237,18 @@ def record(entry, grid, args: tuple, out: torch.Tensor, split: tuple | None = No
     try:
         replay = None if entry is None else Replay(entry, grid, args, inputs, out, split, prepare)
     except StopIteration:  # a tensor that is none of the call's own (a contiguous copy)
+        replay = None
+    launches.append((replay, out))
+
+
+def record_call(fn, args: tuple, out: torch.Tensor) -> None:
+    """Note an eager call ``out = fn(*args)`` for ``recording``, as ``record`` a launch."""
+    state = _RECORDING.get()
+    if state is None:
+        return
+    inputs, launches = state
+    try:
+        replay = CallReplay(fn, args, inputs)
+    except StopIteration:
         replay = None
     launches.append((replay, out))

@@ -197,15 +197,23 @@ def _by_m(choices: list, run, operands: tuple, symbols: tuple):
     top, cfg = choices[0]
     if top is None or len(choices) == 1 or statically_known_true(M <= top):
         return run(cfg, *operands)
+    return pick(M <= top, lambda ops, syms: run(cfg, *ops), lambda ops, syms: _by_m(choices[1:], run, ops, syms),
+                operands, symbols)
+
+
+def pick(pred, if_true, if_false, operands: tuple, symbols: tuple):
+    """``if_true(operands, symbols)`` or ``if_false(...)``, as a ``cond`` on the symbolic
+    ``pred``. The symbols (GRAPH_SYMBOLS) go in as operands too, so that a branch gets its own
+    (``if_false`` may hold another ``cond``)."""
     from torch._higher_order_ops.cond import cond_op
 
     n = len(operands)
     # Each branch returns a 1-tuple: Inductor's cond lowering zips the node's value with
     # the branch outputs, as torch.cond leaves them (a bare tensor fails its stride check).
     (out,) = cond_op(
-        M <= top,
-        lambda *ops: (run(cfg, *ops[:n]),),
-        lambda *ops: (_by_m(choices[1:], run, ops[:n], ops[n:]),),
+        pred,
+        lambda *ops: (if_true(ops[:n], ops[n:]),),
+        lambda *ops: (if_false(ops[:n], ops[n:]),),
         (*operands, *symbols),
     )
     return out

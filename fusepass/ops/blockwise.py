@@ -44,14 +44,14 @@ then the CPU reference of ``reference.py`` on CPU tensors, or the Triton kernel 
 and is what ``fusepass.passes.lower`` inlines into Inductor's graph.
 
 On an sm90 GPU, above 16 rows (``blockwise_launch.CUBLAS_ABOVE_M``), the product runs as
-cuBLAS's block-wise ``torch._scaled_mm`` where that call takes the operands: M a multiple of
-4, a row-major ``a``, a column-major ``b`` (``w.t()``) with 16-byte aligned rows, K and N
-multiples of 16, and no bias or one of ``out_dtype`` (bf16 or fp16). The scales are copied
-into its layout where they are not in it (a row-major ``scale_a``: M * ceil(K/128) floats).
-The kernel beats cuBLAS at every measured shape at M = 16, and is slower on average above
-(0.94x cuBLAS's speed at M = 64, 0.76x at 256, 0.53-0.88x from 1024 up; H200,
-benchmarks/NOTES.md, run 15). cuBLAS sums and scales each 128-wide group as the kernel does,
-and its result is within the same tolerance of the exact product.
+cuBLAS's block-wise ``torch._scaled_mm`` where that call takes the operands and computes them
+right (``blockwise_launch.uses_cublas``): M and ceil(K/128) multiples of 4, a row-major ``a``,
+a column-major ``b`` (``w.t()``) with 16-byte aligned rows, K and N multiples of 16, no bias
+or a bf16 one with a bf16 output, a torch built with CUDA >= 12.9. The scales are copied into
+its layout where they are not in it (a row-major ``scale_a``: M * ceil(K/128) floats). The
+kernel beats cuBLAS at every measured shape at M = 16, and is slower on average above (0.94x
+cuBLAS's speed at M = 64, 0.76x at 256, 0.52-0.85x from 1024 up; H200, benchmarks/NOTES.md,
+run 15); cuBLAS's result is within the same tolerance of the exact product.
 """
 
 from __future__ import annotations

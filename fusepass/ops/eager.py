@@ -1,7 +1,7 @@
 """Eager op calls at the cost of one launch: the first call with a given set of argument
 facts runs the whole implementation (every input check, the config choice, Triton's
 launch) and records its launch; later calls with the same facts repeat it
-(``fusepass.kernels.direct.Replay``).
+(``fusepass.kernels.direct.Replay``; ``CallReplay`` where it ran cuBLAS's GEMM instead).
 
 The facts are what the checks and the launch read: each tensor's dtype, shape, strides,
 device and 16-byte alignment, the other arguments' values, and the current device. A call

@@ -146,10 +146,13 @@ def test_bad_configs_are_refused(cfg, message):
 # Fake CUDA tensors (no GPU needed) on a pretend sm90: what uses_cublas accepts is what torch
 # 2.11's block-wise torch._scaled_mm took on an H200 (the GPU tests run both paths).
 
-def _fake_problem(M, N=512, K=384, *, b_col_major=True, a_offset=0, bias=None, m_major=True):
+def _fake_problem(M, N=512, K=512, *, b_col_major=True, a_offset=0, b_row_pad=0, bias=None, m_major=True):
     cuda = dict(device="cuda")
     a = torch.empty(M * K + a_offset, dtype=torch.float8_e4m3fn, **cuda).as_strided((M, K), (K, 1), a_offset)
-    b = torch.empty(N, K, dtype=torch.float8_e4m3fn, **cuda).t() if b_col_major else torch.empty(K, N, dtype=torch.float8_e4m3fn, **cuda)
+    if b_col_major:  # w.t() of an [N, K] weight whose rows are K + b_row_pad apart
+        b = torch.empty(N * (K + b_row_pad), dtype=torch.float8_e4m3fn, **cuda).as_strided((K, N), (1, K + b_row_pad))
+    else:
+        b = torch.empty(K, N, dtype=torch.float8_e4m3fn, **cuda)
     sa = torch.empty(blocks(K), M, **cuda).t() if m_major else torch.empty(M, blocks(K), **cuda)
     sb = torch.empty(blocks(N), blocks(K), **cuda).t()
     return a, b, sa, sb, bias
@@ -158,6 +161,7 @@ def _fake_problem(M, N=512, K=384, *, b_col_major=True, a_offset=0, bias=None, m
 @pytest.fixture
 def sm90(monkeypatch):
     monkeypatch.setattr(bl, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     with FakeTensorMode():
         yield
 
@@ -165,8 +169,13 @@ def sm90(monkeypatch):
 @pytest.mark.parametrize("change,expected", [
     ({}, True),
     (dict(m_major=False), True),  # scale_a copied into cuBLAS's layout
+    (dict(K=1024), True),  # 8 K blocks
     (dict(b_col_major=False), False),  # cuBLAS multiplies a row-major a by a column-major b only
     (dict(a_offset=8), False),  # a's base not 16-byte aligned
+    (dict(b_row_pad=8), False),  # b's rows (the weight's) not 16-byte aligned
+    (dict(K=528), False),  # K a multiple of 16 but not its 5 K blocks of 4
+    (dict(K=640), False),  # 5 K blocks: cuBLASLt pads scale_b's K blocks to a multiple of 4
+    (dict(K=128), False),  # 1 K block
     (dict(K=392), False),  # K not a multiple of 16
     (dict(N=520), False),  # N not a multiple of 16
 ])
@@ -174,28 +183,39 @@ def test_uses_cublas_where_cublas_takes_the_layout(sm90, change, expected):
     assert bl.uses_cublas(*_fake_problem(300, **change)[:4], torch.bfloat16) is expected
 
 
-@pytest.mark.parametrize("out_dtype,bias_dtype,expected", [
+def _bias(dtype, offset=0):
+    return torch.empty(512 + offset, dtype=dtype, device="cuda").as_strided((512,), (1,), offset)
+
+
+@pytest.mark.parametrize("out_dtype,bias,expected", [
     (torch.float16, None, True), (torch.float32, None, True),
-    (torch.bfloat16, torch.bfloat16, True),
-    (torch.bfloat16, torch.float32, False),  # cuBLAS would round the bias to bf16 first
-    (torch.float32, torch.float32, False),
+    (torch.bfloat16, (torch.bfloat16, 0), True),
+    (torch.bfloat16, (torch.bfloat16, 1), False),  # a bias not 16-byte aligned
+    (torch.bfloat16, (torch.float32, 0), False),  # torch refuses it; cast first, it would round twice
+    (torch.float16, (torch.float16, 0), False),  # not measured
+    (torch.float32, (torch.float32, 0), False),  # torch refuses a bias with an fp32 output
 ])
-def test_uses_cublas_out_and_bias_dtypes(sm90, out_dtype, bias_dtype, expected):
-    bias = None if bias_dtype is None else torch.empty(512, dtype=bias_dtype, device="cuda")
+def test_uses_cublas_out_and_bias_dtypes(sm90, out_dtype, bias, expected):
+    bias = None if bias is None else _bias(*bias)
     assert bl.uses_cublas(*_fake_problem(300, bias=bias)[:4], out_dtype, bias) is expected
 
 
-def test_uses_cublas_only_on_sm90(monkeypatch):
+def test_uses_cublas_only_on_sm90_with_cuda_12_9(monkeypatch):
     monkeypatch.setattr(bl, "device_arch", lambda device: "sm100")
     with FakeTensorMode():
         assert not bl.uses_cublas(*_fake_problem(300)[:4], torch.bfloat16)
-    cpu = make_block_problem(300, 512, 384)
+    monkeypatch.setattr(bl, "device_arch", lambda device: "sm90")
+    for version, expected in (("12.8", False), ("12.9", True), ("13.0", True), (None, False)):
+        monkeypatch.setattr(torch.version, "cuda", version)
+        with FakeTensorMode():
+            assert bl.uses_cublas(*_fake_problem(300)[:4], torch.bfloat16) is expected, version
+    cpu = make_block_problem(300, 512, 512)
     assert not bl.uses_cublas(cpu.a, cpu.b, cpu.scale_a, cpu.scale_b, torch.bfloat16)
 
 
 def _traced(M, mode="fake", m_major=True, config=None):
     """The launch traced (CPU tensors, as symbolic sizes need real examples) where cuBLAS applies."""
-    p = make_block_problem(M, 512, 384, m_major=m_major)
+    p = make_block_problem(M, 512, 512, m_major=m_major)
     gm = make_fx(lambda *t: launch_scaled_mm_blockwise(*t, torch.bfloat16, config=config), tracing_mode=mode)(*p.args(torch.bfloat16)[:4])
     return gm.print_readable(print_output=False)
 
@@ -207,12 +227,12 @@ def cublas_applies(monkeypatch):
 
 def test_large_m_traces_to_cublas_small_m_to_the_kernel(cublas_applies):
     large = _traced(20)
-    assert large.count("torch.ops.aten._scaled_mm.default") == 1
+    assert large.count("torch.ops.aten._scaled_mm.default") == 1 and "triton_kernel" not in large
     assert "clone" not in large  # M-major scale_a and w_scale.t() go in as they are
     assert "_scaled_mm" not in _traced(16)
     assert "_scaled_mm" not in _traced(257)  # cuBLAS refuses an M that is not a multiple of 4
     assert "clone" in _traced(300, m_major=False)  # a row-major scale_a: copied into cuBLAS's layout
-    assert "_scaled_mm" not in _traced(300, config=bl.select_config(300, 512, 384))  # a given config: the kernel
+    assert "_scaled_mm" not in _traced(300, config=bl.select_config(300, 512, 512))  # a given config: the kernel
 
 
 def test_symbolic_m_picks_cublas_at_run_time_above_its_m(cublas_applies, monkeypatch):
@@ -226,7 +246,7 @@ def test_symbolic_m_picks_cublas_at_run_time_above_its_m(cublas_applies, monkeyp
     assert " % 4" in code  # and at M % 4 != 0 the kernel, at run time
     outer, inner = seen  # the buckets up to CUBLAS_ABOVE_M and cuBLAS; the kernel's buckets above it
     assert outer[-2][0] == bl.CUBLAS_ABOVE_M and all(isinstance(cfg, Config) for _, cfg in outer[:-1])
-    assert outer[-1] == (None, bl.Cublas(tuple(inner)))
+    assert outer[-1] == (None, bl.CublasChoice(tuple(inner)))
     assert inner[0][0] > bl.CUBLAS_ABOVE_M and inner[-1][0] is None and all(isinstance(cfg, Config) for _, cfg in inner)
 
 

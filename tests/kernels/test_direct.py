@@ -275,3 +275,20 @@ def test_eager_call_with_a_copied_input_is_not_repeated():
     for _ in range(2):
         assert torch.equal(fusepass.scaled_mm(p.a, p.b, p.scale_a, strided, torch.float32), want)
     assert len(eager._PLANS) == size
+
+
+def test_call_replay_repeats_a_recorded_call_with_new_tensors():
+    """A non-Triton call (cuBLAS's GEMM) of the op's own tensors is recorded and repeated with
+    a later call's; one of a tensor made for the call (a copy) is not."""
+    x, y = torch.ones(3), torch.full((3,), 2.0)
+    fn = lambda t, u, k: t * u + k  # noqa: E731
+    with direct.recording((x, y)) as launches:
+        out = fn(x, y, 1.0)
+        direct.record_call(fn, (x, y, 1.0), out)
+        copy = x.clone()
+        direct.record_call(fn, (copy, y, 1.0), out)
+    (replay, recorded), (none, _) = launches
+    assert recorded is out and none is None
+    assert torch.equal(replay((torch.full((3,), 3.0), torch.full((3,), 4.0))), torch.full((3,), 13.0))
+    assert not any(isinstance(v, torch.Tensor) for v in replay.template)  # keeps no tensor
+    direct.record_call(fn, (x, y, 1.0), out)  # outside a recording: nothing to do

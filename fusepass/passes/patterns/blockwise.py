@@ -9,7 +9,9 @@
    epilogue (``epilogue.walk``: bias, casts, views, per-tensor and per-token multiplies,
    which fold into ``scale_a``; a per-channel multiply ends it). On CUDA under the fp8 rule
    of the ``scaled_mm`` pattern (a static M <= ``PassConfig.fp8_max_m``; cuBLAS keeps the
-   rest); on CPU at every M (CPU ``_scaled_mm`` has no block-wise mode: only fused it runs).
+   rest), except a ``_scaled_mm`` whose ceil(K/128) is not a multiple of 4, which cuBLAS
+   gets wrong: fused at every M; on CPU at every M (CPU ``_scaled_mm`` has no block-wise
+   mode: only fused it runs).
 2. Dequantize, then a float matmul: ``aten.mm`` / ``aten.addmm`` (``x @ w.t()``,
    ``F.linear``, also of 3-D ``x``) of
 
@@ -148,8 +150,12 @@ def _match_scaled_mm(node, config) -> Candidate | None:
     if args.get("scale_result") is not None:
         raise Rejected("torch._scaled_mm with scale_result (fp8 output) is not fused")
     out = tensor_val(node)
-    M = out.shape[0]
-    if out.device.type == "cuda" and (not is_concrete_int(M) or int(M) > config.fp8_max_m):
+    M, K = out.shape[0], tensor_val(a).shape[1]
+    # torch._scaled_mm's block-wise GEMM is wrong, without an error, where ceil(K/128) is not a
+    # multiple of 4 (torch 2.11, H200: 14-31% of sum |a*b|, benchmarks/NOTES.md run 15): fused
+    # at every M there.
+    cublas_wrong = node.target is aten._scaled_mm.default and is_concrete_int(K) and blocks(int(K)) % 4 != 0
+    if out.device.type == "cuda" and not cublas_wrong and (not is_concrete_int(M) or int(M) > config.fp8_max_m):
         raise Rejected(f"an fp8 matmul with M = {M}: kept on cuBLAS above M = {config.fp8_max_m}, as every fp8 "
                        "torch._scaled_mm (PassConfig.fp8_max_m)")
     ep = walk(node, Epilogue(bias=args.get("bias"), block_scaled=True))
