@@ -43,6 +43,7 @@ import bench_linear as bl  # noqa: E402  (puts the repo root on sys.path and imp
 
 import fusepass  # noqa: E402
 from fusepass.kernels.blockwise_launch import CUBLAS_ABOVE_M, launch_scaled_mm_blockwise, select_config  # noqa: E402
+from fusepass.passes import PassConfig  # noqa: E402
 
 F = torch.nn.functional
 BF16 = torch.bfloat16
@@ -205,7 +206,7 @@ def summarize(result: dict) -> list[str]:
                  else f"at no M: cuBLAS is faster at some shape at M = {first}")
         out.append(f"fused faster than cuBLAS at every shape {where} (on an sm90 GPU the op runs cuBLAS's "
                    f"block-wise GEMM above M = {CUBLAS_ABOVE_M}; the pass fuses block-wise torch._scaled_mm on "
-                   "CUDA up to PassConfig.fp8_max_m = 16)")
+                   f"CUDA up to PassConfig.fp8_max_m = {PassConfig().fp8_max_m})")
     return out
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch._dynamo.utils import counters
 
+from fusepass.passes import PassConfig
 from tests.helpers import FP8_MMA_REL, HALF_ULP
 from tests.passes.harness import run_pass
 
@@ -161,9 +162,9 @@ def _draw(seed: int, device: str) -> Program:
     # M never equals N or K: Dynamo's duck sizing would tie them and recompile on a new M.
     # M = 1 (batch-1 decode) is static only: Dynamo specializes sizes 0 and 1.
     M1, M2 = rnd.choice(([1] if not dynamic else []) + ([20, 28] if device == "cuda" else [8, 12, 20])), rnd.choice([44, 52])
-    if kind == "scaled_mm" and not dynamic:  # fp8 fuses at decode sizes only (PassConfig.fp8_max_m)
+    if kind == "scaled_mm" and not dynamic:  # fp8 fuses at a static M <= PassConfig.fp8_max_m only
         M1 = rnd.choice([1, 8, 12])
-    fp8_kept = kind == "scaled_mm" and (dynamic or M1 > 16)
+    fp8_kept = kind == "scaled_mm" and (dynamic or M1 > PassConfig().fp8_max_m)
     p = Program(seed, kind, not (extra_user or blocker or fp8_kept), dynamic, fn=fn, oracle=oracle, out_dtype=out_dtype,
                 qdtype=qdtype, inputs=inputs_for(M1, seed), more_inputs=inputs_for(M2, seed + 1),
                 partial=mid_user, tail=tail)

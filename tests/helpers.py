@@ -63,7 +63,9 @@ def make_problem(
     g = torch.Generator().manual_seed(seed)
     a = random_q((M, K), dtype, device, g)
     b = random_q((N, K), dtype, device, g).t()
-    p = Problem(a, b, scale(sa_shape or (M, 1), device, g), scale(sb_shape or (1, N), device, g))
+    sa_shape = (M, 1) if sa_shape is None else sa_shape  # () is a 0-d (per-tensor) scale
+    sb_shape = (1, N) if sb_shape is None else sb_shape
+    p = Problem(a, b, scale(sa_shape, device, g), scale(sb_shape, device, g))
     if bias_dtype is not None:
         p.bias = torch.randn(N, generator=g).to(bias_dtype).to(device)
     colsum = b.to(torch.int32).sum(0)

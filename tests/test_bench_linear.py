@@ -28,3 +28,19 @@ def test_decode_against_read_bandwidth_and_bf16(bench):
 def test_older_results_fall_back_to_copy_bandwidth(bench):
     (line,) = bench.summarize({"rows": _rows(), "ceilings": {"copy_TBps": 2.7}})
     assert "of copy bandwidth 2.70 (target 75%)" in line
+
+
+def test_fp8_op_and_its_kernel_alone_against_cublas(bench):
+    rows = [{"M": M, "N": 4096, "K": 4096, "us": {"fp8 torch._scaled_mm": 10.0, "fusepass fp8": us, bench.KERNEL_FP8: kernel}}
+            for M, us, kernel in ((64, 8.0, None), (256, 10.0, 12.5), (4096, 10.0, 20.0))]
+    lines = bench.summarize({"rows": rows, "ceilings": {"read_TBps": 4.0}})
+    assert lines == [
+        "fp8, M>=64: geomean 1.08x torch._scaled_mm (target 1.05x), min 1.00x (target 0.95x)",
+        f"fp8 Triton kernel alone (the op runs cuBLAS above M = {bench.FP8_CUBLAS_ABOVE_M}), M>=64: geomean 0.63x "
+        "torch._scaled_mm, min 0.50x",
+    ]
+
+
+def test_the_kernel_row_only_where_the_op_runs_cublas(bench):
+    assert bench.KERNEL_FP8 not in bench.implementations(bench.FP8_CUBLAS_ABOVE_M)
+    assert bench.KERNEL_FP8 in bench.implementations(bench.FP8_CUBLAS_ABOVE_M + 1)

@@ -26,10 +26,10 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 
 from ..ops.checks import BLOCK
 from .blockwise import blockwise_mm_kernel
-from .configs import Config, cdiv, decode_unsplit, device_arch, fit, merge_buckets, sm_count
-from .direct import launcher, record, record_call
-from .launch import (GRAPH_SYMBOLS, INTERPRETED, _aligned, _by_m, _flat, _traced, decode_splits, new_output,
-                     on_device, pick, split_k_buffers, tma_allowed)
+from .configs import Config, cdiv, decode_unsplit, fit, merge_buckets, sm_count
+from .direct import launcher, record
+from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, above, cublas_layout, decode_splits,
+                     new_output, on_device, pick, run_cublas, split_k_buffers)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -119,25 +119,15 @@ def _cuda_at_least(major: int, minor: int) -> bool:
 
 def uses_cublas(a, b, scale_a, scale_b, out_dtype: torch.dtype, bias=None) -> bool:
     """Whether rows above CUBLAS_ABOVE_M go to cuBLAS's block-wise ``torch._scaled_mm``
-    (inputs validated by the op's checks): an sm90 GPU (where it was measured) and a torch
-    built with CUDA >= 12.9 (earlier builds raise "only supported for CUDA 12.9 and above"),
-    and what that call took on an H200 with torch 2.11 (NOTES.md run 15): a row-major ``a``
-    and a column-major ``b`` (``w.t()``) with 16-byte aligned rows, K and N multiples of 16,
-    no bias or a 16-byte aligned bf16 bias with a bf16 output (one rounding, as the op's
-    contract says). And ceil(K/128) a multiple of 4: otherwise torch 2.11's ``_scaled_mm``
-    returns wrong results, without an error (max error 14-31% of sum |a*b| at 1, 5, 11 and 23
-    K blocks, H200, NOTES.md run 15; cuBLASLt reads a 128x128 ``scale_b`` with its K blocks
-    padded to a multiple of 4, as ``F.scaled_mm`` takes them, pytorch/pytorch#166752). The
-    scales go in as cuBLAS takes them (``_cublas_mm``)."""
-    K, N = a.shape[1], b.shape[1]
-    fake = _traced(a)
-    return (
-        a.device.type == "cuda" and device_arch(a.device) == "sm90" and _cuda_at_least(12, 9)
-        and statically_known_true(K % 16 == 0) and statically_known_true(N % 16 == 0)
-        and statically_known_true(cdiv(K, BLOCK) % 4 == 0)
-        and tma_allowed(a, b, fake)  # unit stride along K in both, aligned bases and rows
-        and (bias is None or (bias.dtype == out_dtype == torch.bfloat16 and _aligned(bias, 0, fake)))
-    )
+    (inputs validated by the op's checks): the layouts, dtypes and GPU of
+    ``launch.cublas_layout``, a torch built with CUDA >= 12.9 (earlier builds raise "only
+    supported for CUDA 12.9 and above"), and ceil(K/128) a multiple of 4: otherwise torch
+    2.11's ``_scaled_mm`` returns wrong results, without an error (max error 14-31% of sum
+    |a*b| at 1, 5, 11 and 23 K blocks, H200, NOTES.md run 15; cuBLASLt reads a 128x128
+    ``scale_b`` with its K blocks padded to a multiple of 4, as ``F.scaled_mm`` takes them,
+    pytorch/pytorch#166752). The scales go in as cuBLAS takes them (``_cublas_mm``)."""
+    return (_cuda_at_least(12, 9) and statically_known_true(cdiv(a.shape[1], BLOCK) % 4 == 0)
+            and cublas_layout(a, b, out_dtype, bias))
 
 
 def _outer_major(s: torch.Tensor) -> torch.Tensor:
@@ -156,17 +146,14 @@ def _cublas_mm(out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
 
 def _cublas_or_kernel(fallback: tuple, out_dtype: torch.dtype, *tensors):
     """cuBLAS's GEMM where M % 4 == 0, else the kernel (``CublasChoice``); a ``cond`` on a
-    symbolic M. Eagerly the call is recorded for repeats (``direct.CallReplay``)."""
+    symbolic M."""
     M = tensors[0].shape[0]
 
     def kernel(ops, symbols):
         return _by_m(list(fallback), lambda cfg, *t: _run(cfg, out_dtype, *t), ops, symbols)
 
     def cublas(ops, symbols):
-        out = _cublas_mm(out_dtype, *ops)
-        if not _traced(ops[0]):
-            record_call(_cublas_mm, (out_dtype, *ops), out)
-        return out
+        return run_cublas(_cublas_mm, out_dtype, *ops)
 
     if statically_known_true(M % 4 == 0):
         return cublas(tensors, GRAPH_SYMBOLS.get())
@@ -250,9 +237,8 @@ def launch_scaled_mm_blockwise(
     else:  # a symbolic size: the config of M's bucket, picked at run time
         choices = bucket_choices(N, K, a.device, decode_splits(fake, symbolic_m=not is_concrete_int(M)))
         if use_cublas:  # one cuBLAS choice above CUBLAS_ABOVE_M, holding those buckets' configs
-            above = tuple((top, cfg) for top, cfg in choices if top is None or top > CUBLAS_ABOVE_M)
-            choices = [(top, cfg) for top, cfg in choices if top is not None and top <= CUBLAS_ABOVE_M]
-            choices.append((None, CublasChoice(above)))
+            upper = tuple((top, cfg) for top, cfg in choices if top is None or top > CUBLAS_ABOVE_M)
+            choices = above(choices, CUBLAS_ABOVE_M, CublasChoice(upper))
 
         def launch():
             return _by_m(choices, lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors, GRAPH_SYMBOLS.get())

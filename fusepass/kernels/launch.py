@@ -23,8 +23,8 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from .configs import Config, bucket_choices, cdiv, select_config
-from .direct import launcher, record, split_scratch
+from .configs import Config, bucket_choices, cdiv, device_arch, select_config
+from .direct import launcher, record, record_call, split_scratch
 from .scaled_mm import scaled_mm_kernel
 
 ACC_DTYPES = (torch.int32,)  # out_dtype of fusepass.int_mm: the accumulator, no epilogue
@@ -124,6 +124,77 @@ def decode_splits(fake: bool, symbolic_m: bool) -> bool:
 
 def _per_element(v: torch.Tensor | None) -> bool:
     return v is not None and not statically_known_true(v.numel() == 1)
+
+
+# Above this M, an fp8 product runs as cuBLAS's torch._scaled_mm where that call takes it
+# (``cublas_takes_fp8``). H200, torch 2.11 (cuBLAS of CUDA 13.0), 5 Llama-3-8B shapes,
+# per-token x per-channel scales with a bf16 bias, CUDA graphs (benchmarks/NOTES.md, run 16):
+# the kernel is 1.30x cuBLAS's speed at M = 32 (geomean; 1.14-1.62x) and 1.18x at M = 64
+# (0.94-1.45x), then 0.92x at M = 128 (0.85-1.11x), 0.83x at 256, 0.58-0.71x from 512 up.
+FP8_CUBLAS_ABOVE_M = 64
+CUBLAS = "cuBLAS"  # in a _by_m choice list: cuBLAS's GEMM instead of a kernel config
+
+
+def cublas_layout(a, b, out_dtype: torch.dtype, bias=None) -> bool:
+    """What cuBLAS's fp8 ``torch._scaled_mm`` took in every scaling mode (tensor-wise,
+    row-wise, block-wise) on an H200 with torch 2.11 (benchmarks/NOTES.md, runs 15 and 16),
+    on the GPU where it was measured (sm90): a row-major ``a`` and a column-major ``b``
+    (``w.t()``) with 16-byte aligned rows, K and N multiples of 16, no bias or a 16-byte
+    aligned bf16 bias with a bf16 output (one rounding, as the ops' contract says; torch
+    refuses an fp32 bias, and any bias with an fp32 output)."""
+    K, N = a.shape[1], b.shape[1]
+    fake = _traced(a)
+    return (
+        a.device.type == "cuda" and device_arch(a.device) == "sm90"
+        and statically_known_true(K % 16 == 0) and statically_known_true(N % 16 == 0)
+        and tma_allowed(a, b, fake)  # unit stride along K in both, aligned bases and rows
+        and (bias is None or (bias.dtype == out_dtype == torch.bfloat16 and _aligned(bias, 0, fake)))
+    )
+
+
+def cublas_takes_fp8(a, b, scale_a, scale_b, out_dtype: torch.dtype, bias=None, azp_adj=None) -> bool:
+    """Whether rows above FP8_CUBLAS_ABOVE_M go to cuBLAS (``_cublas_fp8_mm``): e4m3 operands,
+    no zero point, fp32 scales (torch takes no other), a float output, and ``cublas_layout``.
+    Its results matched the kernel's errors against a float64 product in every such case
+    measured (run 16)."""
+    return (
+        a.dtype == b.dtype == torch.float8_e4m3fn and azp_adj is None
+        and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and scale_a is not None and scale_b is not None
+        and scale_a.dtype == scale_b.dtype == torch.float32
+        and cublas_layout(a, b, out_dtype, bias)
+    )
+
+
+def _cublas_fp8_mm(out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
+    """The fp8 product through cuBLAS: tensor-wise with two one-element scales, else
+    row-wise, with the scales as torch takes them there ([M, 1] and [1, N], contiguous; a
+    one-element scale beside a vector spread to one, as torch refuses mixed modes)."""
+    if _per_element(scale_a) or _per_element(scale_b):
+        M, N = a.shape[0], b.shape[1]
+        scale_a = scale_a.reshape(-1, 1).expand(M, 1).contiguous()
+        scale_b = scale_b.reshape(1, -1).expand(1, N).contiguous()
+    return torch._scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=out_dtype)
+
+
+def run_cublas(mm, out_dtype: torch.dtype, *tensors):
+    """``mm(out_dtype, *tensors)``, a cuBLAS call; eagerly recorded for repeats
+    (``direct.CallReplay``: ``tensors`` must be the op call's own)."""
+    out = mm(out_dtype, *tensors)
+    if not _traced(tensors[0]):
+        record_call(mm, (out_dtype, *tensors), out)
+    return out
+
+
+def above(choices: list, limit: int, choice) -> list:
+    """``choices`` (``_by_m``'s ``[(top, cfg)]``) for M <= ``limit``, then ``choice`` for every
+    larger M (a bucket that straddles ``limit``, where adjacent ones were merged, is cut there)."""
+    kept = []
+    for top, cfg in choices:
+        kept.append((top if top is not None and top < limit else limit, cfg))
+        if top is None or top >= limit:
+            break
+    return kept + [(None, choice)]
 
 
 def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp):
@@ -234,8 +305,11 @@ def launch_scaled_mm(
 
     ``azp_adj`` alone selects the per-tensor zero point, ``azp_adj`` and ``azp`` the
     per-token one. ``out_dtype=torch.int32`` (int8 only, no scales) returns the int32
-    accumulator itself. ``config`` overrides the tuned launch configuration (tests,
-    tuning). Works on CUDA tensors, on CPU tensors under TRITON_INTERPRET=1, and traced.
+    accumulator itself. Above FP8_CUBLAS_ABOVE_M rows, an fp8 product that
+    ``cublas_takes_fp8`` runs as cuBLAS's ``torch._scaled_mm`` (a symbolic M: one more
+    ``cond`` branch). ``config`` overrides the tuned launch configuration and always runs the
+    kernel (tests, tuning). Works on CUDA tensors, on CPU tensors under TRITON_INTERPRET=1,
+    and traced.
     """
     N = b.shape[1]
     if statically_known_true(a.shape[0] == 0) or statically_known_true(N == 0):
@@ -250,24 +324,33 @@ def launch_scaled_mm(
         RAW_ACC=out_dtype in ACC_DTYPES,
     )
     M, K = a.shape
-    if config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
+    cublas = (config is None and not statically_known_true(M <= FP8_CUBLAS_ABOVE_M)
+              and cublas_takes_fp8(a, b, scale_a, scale_b, out_dtype, bias, azp_adj))
+    if cublas and statically_known_true(M > FP8_CUBLAS_ABOVE_M):
+        config = CUBLAS
+    elif config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
         split = decode_splits(fake, symbolic_m=False)
         config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split)
+    # cond takes tensors only: the None arguments stay in the closure, by position.
+    args = (a, b, scale_a, scale_b, bias, azp_adj, azp)
+    present = [i for i, t in enumerate(args) if t is not None]
+
+    def run(cfg, *tensors):
+        full = [None] * len(args)
+        for i, t in zip(present, tensors):
+            full[i] = t
+        if cfg is CUBLAS:  # fp8 without a zero point: a, b, scale_a, scale_b, bias
+            return run_cublas(_cublas_fp8_mm, out_dtype, *full[:5])
+        return _run(cfg, flags, out_dtype, *full)
+
     if config is not None:
         def launch():
-            return _run(config, flags, out_dtype, a, b, scale_a, scale_b, bias, azp_adj, azp)
+            return run(config, *(args[i] for i in present))
     else:  # a symbolic size: the config of M's bucket, picked at run time
         split = decode_splits(fake, symbolic_m=not is_concrete_int(M))
         choices = bucket_choices(N, K, a.dtype, a.device, azp_adj is not None, split)
-        # cond takes tensors only: the None arguments stay in the closure, by position.
-        args = (a, b, scale_a, scale_b, bias, azp_adj, azp)
-        present = [i for i, t in enumerate(args) if t is not None]
-
-        def run(cfg, *tensors):
-            full = [None] * len(args)
-            for i, t in zip(present, tensors):
-                full[i] = t
-            return _run(cfg, flags, out_dtype, *full)
+        if cublas:
+            choices = above(choices, FP8_CUBLAS_ABOVE_M, CUBLAS)
 
         def launch():
             return _by_m(choices, run, tuple(args[i] for i in present), GRAPH_SYMBOLS.get())

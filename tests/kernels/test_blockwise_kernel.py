@@ -9,6 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.kernels import blockwise_launch as bl
+from fusepass.kernels import launch
 from fusepass.kernels.blockwise_launch import check_config, launch_scaled_mm_blockwise, select_config
 from fusepass.kernels.configs import Config
 from tests.blockwise_data import BLOCK, block_oracle, blocks, make_block_problem
@@ -143,8 +144,8 @@ def test_bad_configs_are_refused(cfg, message):
 
 
 # --- cuBLAS above CUBLAS_ABOVE_M -------------------------------------------------------------
-# Fake CUDA tensors (no GPU needed) on a pretend sm90: what uses_cublas accepts is what torch
-# 2.11's block-wise torch._scaled_mm took on an H200 (the GPU tests run both paths).
+# What uses_cublas accepts on a pretend sm90 (the ``sm90`` fixture) is what torch 2.11's
+# block-wise torch._scaled_mm took on an H200 (the GPU tests run both paths).
 
 def _fake_problem(M, N=512, K=512, *, b_col_major=True, a_offset=0, b_row_pad=0, bias=None, m_major=True):
     cuda = dict(device="cuda")
@@ -156,14 +157,6 @@ def _fake_problem(M, N=512, K=512, *, b_col_major=True, a_offset=0, b_row_pad=0,
     sa = torch.empty(blocks(K), M, **cuda).t() if m_major else torch.empty(M, blocks(K), **cuda)
     sb = torch.empty(blocks(N), blocks(K), **cuda).t()
     return a, b, sa, sb, bias
-
-
-@pytest.fixture
-def sm90(monkeypatch):
-    monkeypatch.setattr(bl, "device_arch", lambda device: "sm90")
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    with FakeTensorMode():
-        yield
 
 
 @pytest.mark.parametrize("change,expected", [
@@ -201,10 +194,10 @@ def test_uses_cublas_out_and_bias_dtypes(sm90, out_dtype, bias, expected):
 
 
 def test_uses_cublas_only_on_sm90_with_cuda_12_9(monkeypatch):
-    monkeypatch.setattr(bl, "device_arch", lambda device: "sm100")
+    monkeypatch.setattr(launch, "device_arch", lambda device: "sm100")
     with FakeTensorMode():
         assert not bl.uses_cublas(*_fake_problem(300)[:4], torch.bfloat16)
-    monkeypatch.setattr(bl, "device_arch", lambda device: "sm90")
+    monkeypatch.setattr(launch, "device_arch", lambda device: "sm90")
     for version, expected in (("12.8", False), ("12.9", True), ("13.0", True), (None, False)):
         monkeypatch.setattr(torch.version, "cuda", version)
         with FakeTensorMode():

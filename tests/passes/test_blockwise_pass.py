@@ -221,10 +221,10 @@ def test_fusepass_backend_compiles_it_on_cpu():
 
 
 @pytest.mark.parametrize("fn", [scaled, pytest.param(functional, marks=V2)], ids=["_scaled_mm", "F.scaled_mm"])
-@pytest.mark.parametrize("m,k,fused", [(8, 512, True), (64, 512, False), (64, 256, "_scaled_mm")])
+@pytest.mark.parametrize("m,k,fused", [(8, 512, True), (64, 512, True), (80, 512, False), (80, 256, "_scaled_mm")])
 def test_fp8_rule_on_cuda(fn, m, k, fused):
     """A fake CUDA graph (traced without a GPU) in the layouts cuBLAS takes (M-major scale_a;
-    F.scaled_mm's scale_b padded to 4 K blocks): fused at M <= 16, kept on cuBLAS above, but
+    F.scaled_mm's scale_b padded to 4 K blocks): fused at M <= 64, kept on cuBLAS above, but
     for a _scaled_mm with K blocks not a multiple of 4 (2 here), which cuBLAS gets wrong."""
     fused = fused is True or fused == ("_scaled_mm" if fn is scaled else "F.scaled_mm")
     kb, nb = k // 128, 2
@@ -240,7 +240,7 @@ def test_fp8_rule_on_cuda(fn, m, k, fused):
         (op,) = [n for n in gm.graph.nodes if n.target is torch.ops.fusepass.scaled_mm_blockwise.default]
         assert op.meta["val"].device.type == "cuda" and tuple(op.args[3].meta["val"].shape) == (kb, nb)
     else:
-        assert "kept on cuBLAS above M = 16" in d.reason
+        assert "kept on cuBLAS above M = 64" in d.reason
 
 
 # --- must not fuse ---------------------------------------------------------------------------
