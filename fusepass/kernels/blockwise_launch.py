@@ -37,10 +37,14 @@ from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, above, c
 # bucket's largest M about ``programs per SM`` x the SM count programs, within the row's most
 # splits and one K group each. Measured on an H200 over the 10 Llama-3-8B / DeepSeek-V3
 # shapes of bench_blockwise.py: each row is within 1.06x of the best of 12-72 configs tried
-# at its M (geomean), the best single config of each M (benchmarks/NOTES.md, run 6).
+# at its M (geomean), the best single config of each M (benchmarks/NOTES.md, run 6). The two
+# decode rows were retuned against the read ceiling (run 16, step 5): 64-wide tiles read the
+# large weights faster (28672 x 4096 at M = 16: 36.6 against 44.3 us with 32-wide tiles, 6
+# stages and 6 programs per SM) and lose at the smallest N (576 x 7168 at M = 1: 8.4 against
+# 7.5 us); 1.06x (M = 1) and 1.08x (M = 16) faster over the 10 shapes (geomean).
 CONFIGS = (
-    (1, Config(16, 32, 64, num_warps=4, num_stages=6), 3, 8),
-    (16, Config(16, 32, 128, num_warps=4, num_stages=4), 6, 8),
+    (1, Config(16, 64, 64, num_warps=4, num_stages=3), 3, 8),
+    (16, Config(16, 64, 128, num_warps=4, num_stages=4), 3, 8),
     (64, Config(64, 128, 128, num_warps=4, num_stages=4), 2, 4),
     (256, Config(64, 128, 128, num_warps=4, num_stages=4), 2, 4),
     (1024, Config(64, 128, 128, num_warps=4, num_stages=3), 1, 4),

@@ -99,10 +99,11 @@ def test_config_buckets_and_fit():
 
 
 # The split fills DEFAULT_SMS (no CUDA device asked) x the row's programs per SM, within the
-# row's most splits and the K groups: N = 576 has 18 tiles of 32 (M <= 16: 6 x 132 / 18 = 44
-# -> 8), N = 4096 has 128 (792 / 128 -> 6), a wide N 896 (-> 1); K = 256 has 2 groups.
+# row's most splits and the K groups: N = 576 has 9 tiles of 64 (M <= 16: 3 x 132 / 9 = 44
+# -> 8), N = 4096 has 64 (396 / 64 -> 6), N = 7168 112 (-> 4), a wide N 448 (-> 1); K = 256
+# has 2 groups.
 @pytest.mark.parametrize("M,N,K,split", [
-    (16, 576, 7168, 8), (16, 4096, 14336, 6), (16, 28672, 4096, 1), (16, 576, 256, 2),
+    (16, 576, 7168, 8), (16, 4096, 14336, 6), (16, 7168, 16384, 4), (16, 28672, 4096, 1), (16, 576, 256, 2),
     (64, 4096, 14336, 4), (256, 4096, 14336, 2), (1024, 576, 7168, 2), (1024, 4096, 14336, 1), (4096, 576, 7168, 1),
 ])
 def test_split_k_fills_the_gpu(M, N, K, split):
