@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fusepass  # noqa: E402
-from fusepass.kernels.configs import select_config  # noqa: E402
-from fusepass.kernels.launch import FP8_CUBLAS_ABOVE_M, launch_scaled_mm  # noqa: E402
+from fusepass.kernels.configs import device_arch, select_config  # noqa: E402
+from fusepass.kernels.launch import FP8_CUBLAS_ABOVE_M, cuda_at_least, launch_scaled_mm  # noqa: E402
 
 SHAPES = {
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
@@ -114,6 +114,11 @@ _compiled = {}
 KERNEL_FP8 = "fusepass fp8, Triton kernel"
 
 
+def _fp8_on_cublas() -> bool:
+    """Whether the fp8 op runs cuBLAS above FP8_CUBLAS_ABOVE_M on this machine (launch.cublas_layout)."""
+    return torch.cuda.is_available() and device_arch(torch.device("cuda")) == "sm90" and cuda_at_least(12, 9)
+
+
 def _fp8_kernel(t):
     M, K = t["a"].shape
     cfg = select_config(M, t["b"].shape[1], K, t["a"].dtype, t["a"].device)
@@ -135,7 +140,7 @@ def implementations(M: int):
         "fusepass int8": ("int8", lambda t: fusepass.scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"])),
         "fusepass fp8": ("fp8", lambda t: fusepass.scaled_mm(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["bias"])),
         # where the op runs cuBLAS instead (an sm90 GPU), its Triton kernel alone, for comparison
-        KERNEL_FP8: ("fp8", lambda t: _fp8_kernel(t)) if M > FP8_CUBLAS_ABOVE_M else None,
+        KERNEL_FP8: ("fp8", lambda t: _fp8_kernel(t)) if M > FP8_CUBLAS_ABOVE_M and _fp8_on_cublas() else None,
         "fusepass int8 azp per-token": ("int8", lambda t: fusepass.scaled_mm_azp(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["adj"], t["azp"], t["bias"])),
         "fusepass int8 azp per-tensor": ("int8", lambda t: fusepass.scaled_mm_azp(t["a"], t["b"], t["sa"], t["sb"], torch.bfloat16, t["adj_t"], None, t["bias"])),
     }

@@ -193,7 +193,7 @@ def _draw_blockwise(seed: int, device: str) -> Program:
     else:  # CUDA's _scaled_mm needs multiples of 16
         cuda = device == "cuda"
         N, K = rnd.choice([128, 208, 256] if cuda else [64, 200, 256]), rnd.choice([144, 256, 384] if cuda else [96, 256, 300])
-    M = rnd.choice([1, 8, 12] if kind == "scaled_mm" else [1, 8, 20])  # _scaled_mm fuses at M <= 16 on CUDA
+    M = rnd.choice([1, 8, 12] if kind == "scaled_mm" else [1, 8, 20])  # _scaled_mm fuses at M <= PassConfig.fp8_max_m on CUDA
     three_d = kind == "dequant" and M % 2 == 0 and rnd.random() < 0.3
     dq_dtype = rnd.choice([torch.float32, torch.bfloat16])  # the dequantized operands' dtype
     out_dtype = rnd.choice(OUT if kind == "dequant" else OUT[1:])

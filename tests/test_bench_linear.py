@@ -41,6 +41,9 @@ def test_fp8_op_and_its_kernel_alone_against_cublas(bench):
     ]
 
 
-def test_the_kernel_row_only_where_the_op_runs_cublas(bench):
+def test_the_kernel_row_only_where_the_op_runs_cublas(bench, monkeypatch):
+    monkeypatch.setattr(bench, "_fp8_on_cublas", lambda: True)
     assert bench.KERNEL_FP8 not in bench.implementations(bench.FP8_CUBLAS_ABOVE_M)
     assert bench.KERNEL_FP8 in bench.implementations(bench.FP8_CUBLAS_ABOVE_M + 1)
+    monkeypatch.setattr(bench, "_fp8_on_cublas", lambda: False)  # another GPU: the op is the kernel
+    assert bench.KERNEL_FP8 not in bench.implementations(bench.FP8_CUBLAS_ABOVE_M + 1)

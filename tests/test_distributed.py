@@ -30,6 +30,7 @@ if not (dist.is_available() and dist.is_gloo_available()):
 
 from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 
+from fusepass.passes import PassConfig  # noqa: E402
 from fusepass.passes.group import NAME as GROUPED  # noqa: E402
 from tests.blockwise_data import make_block_problem  # noqa: E402
 from tests.passes.harness import fused_calls  # noqa: E402
@@ -437,7 +438,7 @@ def _capture_torchao(step: str):
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 def test_torchao_fp8_model_fuses_every_linear_on_each_rank(ranks, step):
     """torchao's fp8 under the Torchao styles: DTensor shards at the mm, torchao's subclass runs
-    on the shards, and the pass sees torchao's local epilogues (M <= 16: the fp8 rule fuses)."""
+    on the shards, and the pass sees torchao's local epilogues (on CPU the fp8 rule fuses at every M)."""
     pytest.importorskip("torchao")
     for rank, (decisions, before, after, err, errs) in enumerate(ranks.run(_capture_torchao, step)):
         _check_decisions(rank, decisions, STEPS[step][0].numel(), {"scaled_mm_fp8_direct", "scaled_mm_fp8_epilogue"},
@@ -530,8 +531,9 @@ def test_example_under_torchrun_on_two_gpus(mode, quant):
         stdout, stderr = proc.communicate()
         pytest.fail(f"no exit in 300 s:\n{stdout[-3000:]}{stderr[-3000:]}")
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    # fp8 fuses at M <= 16 only (the fp8 rule): the 32-token prefill stays on cuBLAS.
-    prefill = "8 fused, 0 left alone" if quant == "int8" else "0 fused, 8 left alone"
+    # fp8 fuses at a static M <= PassConfig.fp8_max_m only (the fp8 rule): the 32-token prefill too.
+    fused = quant == "int8" or 32 <= PassConfig().fp8_max_m
+    prefill = "8 fused, 0 left alone" if fused else "0 fused, 8 left alone"
     for rank in range(2):
         assert f"[rank {rank}] prefill graph, fusepass.explain: fusepass: 8 quantized matmuls, {prefill}" in stdout, stdout
         assert f"[rank {rank}] decode graph, fusepass.explain: fusepass: 8 quantized matmuls, 8 fused, 0 left alone" \

@@ -116,22 +116,16 @@ def bucket_choices(N, K, device=None, split_decode: bool = True) -> list:
                          for row in CONFIGS)
 
 
-def _cuda_at_least(major: int, minor: int) -> bool:
-    version = torch.version.cuda
-    return version is not None and tuple(int(v) for v in version.split(".")[:2]) >= (major, minor)
-
-
 def uses_cublas(a, b, scale_a, scale_b, out_dtype: torch.dtype, bias=None) -> bool:
     """Whether rows above CUBLAS_ABOVE_M go to cuBLAS's block-wise ``torch._scaled_mm``
-    (inputs validated by the op's checks): the layouts, dtypes and GPU of
-    ``launch.cublas_layout``, a torch built with CUDA >= 12.9 (earlier builds raise "only
-    supported for CUDA 12.9 and above"), and ceil(K/128) a multiple of 4: otherwise torch
+    (inputs validated by the op's checks): the layouts, dtypes, GPU and CUDA version of
+    ``launch.cublas_layout`` (CUDA >= 12.9: earlier builds raise "only supported for CUDA 12.9
+    and above"), and ceil(K/128) a multiple of 4: otherwise torch
     2.11's ``_scaled_mm`` returns wrong results, without an error (max error 14-31% of sum
     |a*b| at 1, 5, 11 and 23 K blocks, H200, NOTES.md run 15; cuBLASLt reads a 128x128
     ``scale_b`` with its K blocks padded to a multiple of 4, as ``F.scaled_mm`` takes them,
     pytorch/pytorch#166752). The scales go in as cuBLAS takes them (``_cublas_mm``)."""
-    return (_cuda_at_least(12, 9) and statically_known_true(cdiv(a.shape[1], BLOCK) % 4 == 0)
-            and cublas_layout(a, b, out_dtype, bias))
+    return statically_known_true(cdiv(a.shape[1], BLOCK) % 4 == 0) and cublas_layout(a, b, out_dtype, bias)
 
 
 def _outer_major(s: torch.Tensor) -> torch.Tensor:

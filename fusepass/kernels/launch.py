@@ -135,33 +135,43 @@ FP8_CUBLAS_ABOVE_M = 64
 CUBLAS = "cuBLAS"  # in a _by_m choice list: cuBLAS's GEMM instead of a kernel config
 
 
+def cuda_at_least(major: int, minor: int) -> bool:
+    """Whether this torch was built with CUDA >= major.minor."""
+    version = torch.version.cuda
+    return version is not None and tuple(int(v) for v in version.split(".")[:2]) >= (major, minor)
+
+
 def cublas_layout(a, b, out_dtype: torch.dtype, bias=None) -> bool:
     """What cuBLAS's fp8 ``torch._scaled_mm`` took in every scaling mode (tensor-wise,
-    row-wise, block-wise) on an H200 with torch 2.11 (benchmarks/NOTES.md, runs 15 and 16),
-    on the GPU where it was measured (sm90): a row-major ``a`` and a column-major ``b``
-    (``w.t()``) with 16-byte aligned rows, K and N multiples of 16, no bias or a 16-byte
-    aligned bf16 bias with a bf16 output (one rounding, as the ops' contract says; torch
-    refuses an fp32 bias, and any bias with an fp32 output)."""
+    row-wise, block-wise) on an H200 with torch 2.11 built with CUDA 13.0 (benchmarks/NOTES.md,
+    runs 15 and 16), on the GPU and CUDA where it was measured: sm90, and CUDA >= 12.9 (below
+    it torch runs row-wise scales through a CUTLASS kernel of its own, which refuses an fp32
+    output, and block-wise ones not at all); a row-major ``a`` and a column-major ``b``
+    (``w.t()``) with 16-byte aligned rows at least K apart (not a broadcast), K and N
+    multiples of 16, no bias or a 16-byte aligned bf16 bias with a bf16 output (one rounding,
+    as the ops' contract says; torch refuses an fp32 bias, and any bias with an fp32 output)."""
     K, N = a.shape[1], b.shape[1]
     fake = _traced(a)
     return (
-        a.device.type == "cuda" and device_arch(a.device) == "sm90"
+        a.device.type == "cuda" and device_arch(a.device) == "sm90" and cuda_at_least(12, 9)
         and statically_known_true(K % 16 == 0) and statically_known_true(N % 16 == 0)
         and tma_allowed(a, b, fake)  # unit stride along K in both, aligned bases and rows
+        and statically_known_true(a.stride(0) >= K) and statically_known_true(b.stride(1) >= K)
         and (bias is None or (bias.dtype == out_dtype == torch.bfloat16 and _aligned(bias, 0, fake)))
     )
 
 
 def cublas_takes_fp8(a, b, scale_a, scale_b, out_dtype: torch.dtype, bias=None, azp_adj=None) -> bool:
-    """Whether rows above FP8_CUBLAS_ABOVE_M go to cuBLAS (``_cublas_fp8_mm``): e4m3 operands,
-    no zero point, fp32 scales (torch takes no other), a float output, and ``cublas_layout``.
-    Its results matched the kernel's errors against a float64 product in every such case
-    measured (run 16)."""
+    """Whether rows above FP8_CUBLAS_ABOVE_M go to cuBLAS (``_cublas_fp8_mm``): e4m3 operands
+    (the op's checks also let int8 through here), no zero point, 16-byte aligned fp32 scales
+    (torch takes no other dtype; the alignment of a scale vector was not probed, so not
+    assumed), and ``cublas_layout``. Its results matched the kernel's errors against a float64
+    product in every such case measured (run 16)."""
+    fake = _traced(a)
     return (
         a.dtype == b.dtype == torch.float8_e4m3fn and azp_adj is None
-        and out_dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and scale_a is not None and scale_b is not None
         and scale_a.dtype == scale_b.dtype == torch.float32
+        and _aligned(scale_a, 0, fake) and _aligned(scale_b, 0, fake)
         and cublas_layout(a, b, out_dtype, bias)
     )
 

@@ -35,8 +35,9 @@ checked call's launch for later calls with the same argument facts (``eager.py``
 
 On an sm90 GPU, an fp8 ``scaled_mm`` above 64 rows (``launch.FP8_CUBLAS_ABOVE_M``) runs as
 cuBLAS's ``torch._scaled_mm`` where that call takes the operands (``launch.cublas_takes_fp8``):
-fp32 scales, a row-major ``a``, a column-major ``b`` (``w.t()``) with 16-byte aligned rows, K
-and N multiples of 16, no bias or a bf16 one with a bf16 output. A per-tensor scale beside a
+16-byte aligned fp32 scales, a row-major ``a``, a column-major ``b`` (``w.t()``) with 16-byte
+aligned rows, K and N multiples of 16, no bias or a bf16 one with a bf16 output, a torch built
+with CUDA >= 12.9. A per-tensor scale beside a
 per-element one is spread to a vector (M or N floats), as cuBLAS takes no mixed recipe. The
 kernel is the faster up to M = 64 (1.21x cuBLAS's speed at M = 64, geomean of 8 Llama
 shapes), cuBLAS above (the kernel 0.71-0.83x from M = 256 up; H200, benchmarks/NOTES.md,

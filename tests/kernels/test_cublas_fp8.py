@@ -1,7 +1,7 @@
 """fp8 ``fusepass.scaled_mm`` above FP8_CUBLAS_ABOVE_M rows: cuBLAS's ``torch._scaled_mm`` where
 it takes the operands (``launch.cublas_takes_fp8``), the kernel elsewhere. What it accepts is
 what torch 2.11 took on an H200 (``sm90`` fixture: fake CUDA tensors); the GPU tests
-(tests/ops/test_scaled_mm_gpu.py) run both paths."""
+(tests/ops/test_fp8_cublas_gpu.py) run both paths."""
 
 import pytest
 import torch
@@ -18,11 +18,16 @@ BF16 = torch.bfloat16
 
 
 def _fake(M=300, N=512, K=512, *, dtype=F8, b_col_major=True, a_offset=0, sa=(300, 1), sb=(1, 512),
-          scale_dtype=torch.float32):
+          scale_dtype=torch.float32, sa_offset=0, b_broadcast=False):
     cuda = {"device": "cuda"}
     a = torch.empty(M * K + a_offset, dtype=dtype, **cuda).as_strided((M, K), (K, 1), a_offset)
     b = torch.empty(N, K, dtype=dtype, **cuda).t() if b_col_major else torch.empty(K, N, dtype=dtype, **cuda)
-    return a, b, torch.empty(sa, dtype=scale_dtype, **cuda), torch.empty(sb, dtype=scale_dtype, **cuda)
+    if b_broadcast:  # one weight row for every column
+        b = torch.empty(1, K, dtype=dtype, **cuda).expand(N, K).t()
+    scale_a = torch.empty(sa, dtype=scale_dtype, **cuda)
+    scale_a = torch.empty(scale_a.numel() + sa_offset, dtype=scale_dtype, **cuda).as_strided(
+        sa, scale_a.stride(), sa_offset)
+    return a, b, scale_a, torch.empty(sb, dtype=scale_dtype, **cuda)
 
 
 @pytest.mark.parametrize("change,expected", [
@@ -37,6 +42,8 @@ def _fake(M=300, N=512, K=512, *, dtype=F8, b_col_major=True, a_offset=0, sa=(30
     ({"a_offset": 8}, False),  # a's base not 16-byte aligned
     ({"K": 520}, False),  # K not a multiple of 16
     ({"N": 520}, False),  # N not a multiple of 16
+    ({"b_broadcast": True}, False),  # an expanded weight: torch would copy it row-major, then refuse it
+    ({"sa_offset": 1}, False),  # a scale vector not 16-byte aligned: not probed
 ])
 def test_cublas_takes_fp8_layouts_and_dtypes(sm90, change, expected):
     if "N" in change:
@@ -61,15 +68,13 @@ def test_cublas_takes_fp8_out_and_bias_dtypes(sm90, out_dtype, bias, expected):
     assert cublas_takes_fp8(*_fake(), out_dtype, bias) is expected
 
 
-def test_cublas_takes_fp8_without_zero_points_on_sm90_only(sm90, monkeypatch):
+def test_cublas_takes_fp8_without_zero_points_on_sm90_with_cuda_12_9(sm90, monkeypatch):
     assert not cublas_takes_fp8(*_fake(), BF16, azp_adj=torch.empty(512, device="cuda"))
+    for version, expected in (("12.8", False), ("12.9", True), ("13.0", True), (None, False)):
+        monkeypatch.setattr(torch.version, "cuda", version)  # below 12.9: torch's own CUTLASS kernel
+        assert cublas_takes_fp8(*_fake(), torch.float32) is expected, version
     monkeypatch.setattr(launch, "device_arch", lambda device: "sm100")
     assert not cublas_takes_fp8(*_fake(), BF16)
-
-
-def test_cublas_takes_fp8_not_on_cpu():
-    p = make_problem(300, 512, 512, F8)
-    assert not cublas_takes_fp8(p.a, p.b, p.scale_a, p.scale_b, BF16)
 
 
 def _traced(M, mode="fake", config=None, **problem):

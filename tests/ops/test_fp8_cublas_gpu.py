@@ -42,7 +42,9 @@ def _kernel(p, out_dtype):
 # two mixes (which cuBLAS refuses: the op spreads the one-element scale to a vector).
 RECIPES = {
     "row": lambda M, N: ((M, 1), (1, N)),
+    "row 1-D": lambda M, N: ((M,), (N,)),
     "tensor": lambda M, N: ((1,), (1, 1)),
+    "tensor 0-d": lambda M, N: ((), ()),
     "tensor x row": lambda M, N: ((1, 1), (1, N)),
     "row x tensor": lambda M, N: ((M,), (1,)),
 }
@@ -50,8 +52,8 @@ RECIPES = {
 
 @pytest.mark.parametrize("M,N,K", [(FP8_CUBLAS_ABOVE_M + 1, 4096, 4096), (257, 6144, 4096), (4096, 4000, 4000)])
 @pytest.mark.parametrize("recipe,bias_dtype,out_dtype", [
-    ("row", BF16, BF16), ("tensor", None, torch.float16), ("tensor x row", None, torch.float32),
-    ("row x tensor", BF16, BF16)], ids=str)
+    ("row", BF16, BF16), ("row 1-D", None, torch.float32), ("tensor", None, torch.float16),
+    ("tensor 0-d", BF16, BF16), ("tensor x row", None, torch.float32), ("row x tensor", BF16, BF16)], ids=str)
 def test_gpu_large_m_runs_cublas(M, N, K, recipe, bias_dtype, out_dtype):
     """Bit for bit cuBLAS's call on two problems of the same layout (the second an eager
     repeat of the recorded call), and within the oracle's bound."""
@@ -63,7 +65,19 @@ def test_gpu_large_m_runs_cublas(M, N, K, recipe, bias_dtype, out_dtype):
         assert_matches_oracle(out, p, out_dtype)
 
 
-@pytest.mark.parametrize("case", ["M at the limit", "b row-major", "fp32 bias", "bf16 scales", "K % 16"])
+def test_gpu_a_strided_scale_is_copied_then_runs_cublas():
+    """A per-token scale that is a column of a wider tensor: the op copies it (``_flat``), runs
+    cuBLAS, and records nothing (the copy is not the caller's tensor), so each call is right."""
+    for seed in (0, 1):
+        p = make_problem(512, 4096, 4096, F8, device="cuda", seed=seed)
+        p.scale_a = torch.cat([p.scale_a, torch.zeros_like(p.scale_a)], 1)[:, :1]  # stride (2, 1)
+        out = fusepass.scaled_mm(p.a, p.b, p.scale_a, p.scale_b, BF16)
+        assert torch.equal(out, _cublas(p, BF16))
+        assert_matches_oracle(out, p, BF16)
+
+
+@pytest.mark.parametrize("case", ["M at the limit", "b row-major", "fp32 bias", "bf16 scales", "K % 16",
+                                  "misaligned scale"])
 def test_gpu_the_kernel_where_cublas_does_not_apply(case):
     M = FP8_CUBLAS_ABOVE_M if case == "M at the limit" else 1024
     K = 4100 if case == "K % 16" else 4096
@@ -72,6 +86,8 @@ def test_gpu_the_kernel_where_cublas_does_not_apply(case):
         p.b = p.b.contiguous()
     if case == "bf16 scales":
         p.scale_a, p.scale_b = p.scale_a.to(BF16), p.scale_b.to(BF16)
+    if case == "misaligned scale":  # contiguous, 4 bytes past a 16-byte boundary
+        p.scale_a = torch.cat([torch.zeros(1, device="cuda"), p.scale_a.reshape(-1)])[1:]
     out = fusepass.scaled_mm(p.a, p.b, p.scale_a, p.scale_b, BF16, p.bias)
     assert torch.equal(out, _kernel(p, BF16))
     assert_matches_oracle(out, p, BF16)
