@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fusepass  # noqa: E402
-from fusepass.kernels.configs import device_arch, select_config  # noqa: E402
-from fusepass.kernels.launch import FP8_CUBLAS_ABOVE_M, cuda_at_least, launch_scaled_mm  # noqa: E402
+from fusepass.kernels.configs import select_config  # noqa: E402
+from fusepass.kernels.launch import FP8_CUBLAS_ABOVE_M, cublas_device, launch_scaled_mm  # noqa: E402
 
 SHAPES = {
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],
@@ -116,7 +116,7 @@ KERNEL_FP8 = "fusepass fp8, Triton kernel"
 
 def _fp8_on_cublas() -> bool:
     """Whether the fp8 op runs cuBLAS above FP8_CUBLAS_ABOVE_M on this machine (launch.cublas_layout)."""
-    return torch.cuda.is_available() and device_arch(torch.device("cuda")) == "sm90" and cuda_at_least(12, 9)
+    return torch.cuda.is_available() and cublas_device(torch.device("cuda"))
 
 
 def _fp8_kernel(t):

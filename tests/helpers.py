@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -21,6 +22,22 @@ COMPILES_F_SCALED_MM = pytest.mark.skipif(TorchVersion(torch.__version__) < "2.1
 FP8_MMA_REL = 2.0**-10
 
 HALF_ULP = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+# Inductor's call of torch._scaled_mm (cuBLAS) in its generated code: an extern kernel, or a
+# fallback to the aten op.
+CUBLAS_CALL = re.compile(r"(?:extern_kernels|aten)\._scaled_mm(?:\.default)?\(")
+
+
+def require_sm90(what: str) -> None:
+    """Skip unless the GPU is an sm90, where the ops hand ``what`` to cuBLAS."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"{what} runs on cuBLAS on sm90 only")
+
+
+def fake_cuda_bias(dtype, offset: int = 0, n: int = 512) -> torch.Tensor:
+    """A [n] bias on the device "cuda" (under FakeTensorMode: no GPU needed), ``offset``
+    elements past its storage's start (an offset of 1: not 16-byte aligned)."""
+    return torch.empty(n + offset, dtype=dtype, device="cuda").as_strided((n,), (1,), offset)
 
 
 @dataclass

@@ -145,6 +145,22 @@ def split_scratch(split_k: int, tiles: int, M: int, N: int, acc_dtype: torch.dty
 _RECORDING: ContextVar = ContextVar("fusepass_recording", default=None)
 
 
+def _slots(args, inputs: tuple, own: tuple = ()) -> tuple[list, list]:
+    """``(template, [(argument position, index into inputs)])`` of a recorded call's ``args``:
+    ints, None and other constants stay in the template; tensors are left out (a kept plan
+    must not keep its first call's tensors alive) and put in per call. Tensors in ``own``
+    (by identity) are the caller's to place. StopIteration: a tensor that is none of
+    ``inputs`` (a copy or a view made for the call)."""
+    template = [None if isinstance(v, torch.Tensor) else v for v in args]
+    slots = [(pos, next(i for i, t in enumerate(inputs) if t is v)) for pos, v in enumerate(args)
+             if isinstance(v, torch.Tensor) and not any(v is o for o in own)]
+    return template, slots
+
+
+def _position(args, t: torch.Tensor) -> int:
+    return next(pos for pos, v in enumerate(args) if v is t)
+
+
 class Replay:
     """The one launch of an eager op call, to repeat on arguments of the same facts (dtypes,
     shapes, strides, devices, alignment; ``fusepass.ops.eager`` keys them): the same kernel,
@@ -155,28 +171,14 @@ class Replay:
 
     def __init__(self, entry, grid, args, inputs: tuple, out, split: tuple | None, prepare=None):
         self.entry, self.grid, self.prepare = entry, _three(grid), prepare
-        # Ints, None and other constants stay as they are; tensors are left out (a kept plan
-        # must not keep its first call's tensors alive) and put in per call.
-        self.template = [None if isinstance(v, torch.Tensor) else v for v in args]
-        self.inputs = []  # (argument position, index into the op's tensors)
-        partial, tickets = split or (None, None)
-        for pos, v in enumerate(args):
-            if not isinstance(v, torch.Tensor):
-                continue
-            if v is out:
-                self.out_pos = pos
-            elif v is partial:
-                partial_pos = pos
-            elif v is tickets:
-                tickets_pos = pos
-            else:
-                index = next(i for i, t in enumerate(inputs) if t is v)  # StopIteration: a copy
-                self.inputs.append((pos, index))
+        self.template, self.inputs = _slots(args, inputs, own=(out, *(split or ())))
+        self.out_pos = _position(args, out)
         self.out = (tuple(out.shape), out.stride(), out.dtype)
         self.scratch = None  # (partial's position, tickets' position, split_scratch's arguments)
         if split is not None:
+            partial, tickets = split
             spec = (self.grid[1], self.grid[0], out.shape[0], out.shape[1], partial.dtype)
-            self.scratch = (partial_pos, tickets_pos, spec)
+            self.scratch = (_position(args, partial), _position(args, tickets), spec)
 
     def __call__(self, inputs: tuple) -> torch.Tensor:
         """Launch on ``inputs`` (the op's tensors; ``inputs[0]`` on the current device)."""
@@ -203,9 +205,7 @@ class CallReplay:
 
     def __init__(self, fn, args: tuple, inputs: tuple):
         self.fn = fn
-        self.template = [None if isinstance(v, torch.Tensor) else v for v in args]
-        self.inputs = [(pos, next(i for i, t in enumerate(inputs) if t is v))
-                       for pos, v in enumerate(args) if isinstance(v, torch.Tensor)]
+        self.template, self.inputs = _slots(args, inputs)
 
     def __call__(self, inputs: tuple) -> torch.Tensor:
         args = self.template.copy()
@@ -230,25 +230,23 @@ def recording(inputs: tuple):
 def record(entry, grid, args: tuple, out: torch.Tensor, split: tuple | None = None, prepare=None) -> None:
     """Note an eager launch for ``recording``: ``split`` is its split-K ``(partial, tickets)``
     or None; ``prepare`` runs before each repeat."""
-    state = _RECORDING.get()
-    if state is None:
-        return
-    inputs, launches = state
-    try:
-        replay = None if entry is None else Replay(entry, grid, args, inputs, out, split, prepare)
-    except StopIteration:  # a tensor that is none of the call's own (a contiguous copy)
-        replay = None
-    launches.append((replay, out))
+    _note(lambda inputs: None if entry is None else Replay(entry, grid, args, inputs, out, split, prepare), out)
 
 
 def record_call(fn, args: tuple, out: torch.Tensor) -> None:
     """Note an eager call ``out = fn(*args)`` for ``recording``, as ``record`` a launch."""
+    _note(lambda inputs: CallReplay(fn, args, inputs), out)
+
+
+def _note(make_replay, out: torch.Tensor) -> None:
+    """Append ``(make_replay(the call's tensors), out)`` while ``recording``; ``(None, out)``
+    where a tensor is none of the call's own (a contiguous copy)."""
     state = _RECORDING.get()
     if state is None:
         return
     inputs, launches = state
     try:
-        replay = CallReplay(fn, args, inputs)
+        replay = make_replay(inputs)
     except StopIteration:
         replay = None
     launches.append((replay, out))

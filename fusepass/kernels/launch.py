@@ -141,6 +141,11 @@ def cuda_at_least(major: int, minor: int) -> bool:
     return version is not None and tuple(int(v) for v in version.split(".")[:2]) >= (major, minor)
 
 
+def cublas_device(device: torch.device) -> bool:
+    """The GPU and CUDA where cuBLAS's fp8 GEMMs were measured and taken (``cublas_layout``)."""
+    return device.type == "cuda" and device_arch(device) == "sm90" and cuda_at_least(12, 9)
+
+
 def cublas_layout(a, b, out_dtype: torch.dtype, bias=None) -> bool:
     """What cuBLAS's fp8 ``torch._scaled_mm`` took in every scaling mode (tensor-wise,
     row-wise, block-wise) on an H200 with torch 2.11 built with CUDA 13.0 (benchmarks/NOTES.md,
@@ -153,7 +158,7 @@ def cublas_layout(a, b, out_dtype: torch.dtype, bias=None) -> bool:
     K, N = a.shape[1], b.shape[1]
     fake = _traced(a)
     return (
-        a.device.type == "cuda" and device_arch(a.device) == "sm90" and cuda_at_least(12, 9)
+        cublas_device(a.device)
         and statically_known_true(K % 16 == 0) and statically_known_true(N % 16 == 0)
         and tma_allowed(a, b, fake)  # unit stride along K in both, aligned bases and rows
         and statically_known_true(a.stride(0) >= K) and statically_known_true(b.stride(1) >= K)

@@ -13,7 +13,7 @@ from fusepass.kernels import launch
 from fusepass.kernels.blockwise_launch import check_config, launch_scaled_mm_blockwise, select_config
 from fusepass.kernels.configs import Config
 from tests.blockwise_data import BLOCK, block_oracle, blocks, make_block_problem
-from tests.helpers import SPLIT_REQUESTS, assert_matches_oracle, record_split_requests
+from tests.helpers import SPLIT_REQUESTS, assert_matches_oracle, fake_cuda_bias, record_split_requests
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter rounds fp32 -> bf16 toward zero (see test_scaled_mm_kernel.py).
@@ -177,10 +177,6 @@ def test_uses_cublas_where_cublas_takes_the_layout(sm90, change, expected):
     assert bl.uses_cublas(*_fake_problem(300, **change)[:4], torch.bfloat16) is expected
 
 
-def _bias(dtype, offset=0):
-    return torch.empty(512 + offset, dtype=dtype, device="cuda").as_strided((512,), (1,), offset)
-
-
 @pytest.mark.parametrize("out_dtype,bias,expected", [
     (torch.float16, None, True), (torch.float32, None, True),
     (torch.bfloat16, (torch.bfloat16, 0), True),
@@ -190,7 +186,7 @@ def _bias(dtype, offset=0):
     (torch.float32, (torch.float32, 0), False),  # torch refuses a bias with an fp32 output
 ])
 def test_uses_cublas_out_and_bias_dtypes(sm90, out_dtype, bias, expected):
-    bias = None if bias is None else _bias(*bias)
+    bias = None if bias is None else fake_cuda_bias(*bias)
     assert bl.uses_cublas(*_fake_problem(300, bias=bias)[:4], out_dtype, bias) is expected
 
 

@@ -11,7 +11,7 @@ from torch.torch_version import TorchVersion
 from fusepass.kernels import direct, launch
 from fusepass.kernels.configs import Config
 from fusepass.kernels.launch import CUBLAS, FP8_CUBLAS_ABOVE_M, cublas_takes_fp8, launch_scaled_mm
-from tests.helpers import assert_matches_oracle, make_problem
+from tests.helpers import assert_matches_oracle, fake_cuda_bias, make_problem
 
 F8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16
@@ -51,10 +51,6 @@ def test_cublas_takes_fp8_layouts_and_dtypes(sm90, change, expected):
     assert cublas_takes_fp8(*_fake(**change), BF16) is expected
 
 
-def _bias(dtype, offset=0):
-    return torch.empty(512 + offset, dtype=dtype, device="cuda").as_strided((512,), (1,), offset)
-
-
 @pytest.mark.parametrize("out_dtype,bias,expected", [
     (torch.float16, None, True), (torch.float32, None, True),
     (torch.bfloat16, (BF16, 0), True),
@@ -64,7 +60,7 @@ def _bias(dtype, offset=0):
     (torch.float32, (torch.float32, 0), False),  # torch refuses a bias with an fp32 output
 ])
 def test_cublas_takes_fp8_out_and_bias_dtypes(sm90, out_dtype, bias, expected):
-    bias = None if bias is None else _bias(*bias)
+    bias = None if bias is None else fake_cuda_bias(*bias)
     assert cublas_takes_fp8(*_fake(), out_dtype, bias) is expected
 
 

@@ -2,7 +2,6 @@
 block-wise torch._scaled_mm within PyTorch's own tolerance for it, every config of the table,
 CUDA graphs, and the pass end to end through the fusepass backend."""
 
-import re
 from unittest import mock
 
 import pytest
@@ -14,7 +13,7 @@ import fusepass
 from fusepass.kernels import blockwise_launch as bl
 from fusepass.kernels.configs import Config
 from tests.blockwise_data import BLOCK, block_oracle, make_block_problem
-from tests.helpers import assert_matches_oracle
+from tests.helpers import CUBLAS_CALL, assert_matches_oracle, require_sm90
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -93,8 +92,7 @@ def _kernel(p, out_dtype):
 
 
 def _needs_cublas():
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("cuBLAS's block-wise GEMM is used on sm90 only")
+    require_sm90("the block-wise product above CUBLAS_ABOVE_M")
 
 
 @pytest.mark.parametrize("M,N,K", [(260, 576, 7168), (1024, 4096, 4096), (4096, 7168, 2048), (20, 256, 512)])
@@ -158,10 +156,6 @@ def test_gpu_cuda_graph_replay():
     assert not torch.equal(captured, out)
 
 
-# Inductor's call of torch._scaled_mm in its code: an extern kernel, or a fallback to the aten op.
-_CUBLAS_CALL = re.compile(r"(?:extern_kernels|aten)\._scaled_mm(?:\.default)?\(")
-
-
 def _lines_naming(word, code):
     return [line.strip() for line in code.splitlines() if word in line and not line.lstrip().startswith("#")]
 
@@ -195,7 +189,7 @@ def test_gpu_backend_fuses_the_dequant_form(M):
         # compiled for the first M (static) and the second (dynamic); the third reuses it
         assert len(codes) == (1 if i < 2 else 0)
         if i < 2:
-            calls = _CUBLAS_CALL.findall(codes[0])
+            calls = CUBLAS_CALL.findall(codes[0])
             assert bool(calls) == (sm90 and (i == 1 or M > bl.CUBLAS_ABOVE_M)), (calls, _lines_naming("scaled_mm", codes[0]))
     assert counters["fusepass"]["dequant_mm_blockwise"] >= 1
 

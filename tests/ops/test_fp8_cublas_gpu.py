@@ -2,7 +2,6 @@
 ``torch._scaled_mm`` bit for bit where it takes the operands, the Triton kernel elsewhere,
 eagerly (with repeats), in a CUDA graph and compiled with a dynamic M."""
 
-import re
 from unittest import mock
 
 import pytest
@@ -12,7 +11,7 @@ from torch._inductor.graph import GraphLowering
 import fusepass
 from fusepass.kernels.configs import select_config
 from fusepass.kernels.launch import FP8_CUBLAS_ABOVE_M, launch_scaled_mm
-from tests.helpers import assert_matches_oracle, make_problem
+from tests.helpers import CUBLAS_CALL, assert_matches_oracle, make_problem, require_sm90
 
 pytestmark = pytest.mark.gpu
 F8, BF16 = torch.float8_e4m3fn, torch.bfloat16
@@ -20,8 +19,7 @@ F8, BF16 = torch.float8_e4m3fn, torch.bfloat16
 
 @pytest.fixture(autouse=True)
 def _sm90():
-    if torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("fp8 products run on cuBLAS above FP8_CUBLAS_ABOVE_M on sm90 only")
+    require_sm90("fp8 above FP8_CUBLAS_ABOVE_M")
 
 
 def _cublas(p, out_dtype):
@@ -105,10 +103,6 @@ def test_gpu_cublas_in_a_cuda_graph():
     assert not torch.equal(captured, out)
 
 
-# Inductor's call of torch._scaled_mm in its code: an extern kernel, or a fallback to the aten op.
-_CUBLAS_CALL = re.compile(r"(?:extern_kernels|aten)\._scaled_mm(?:\.default)?\(")
-
-
 def test_gpu_compiled_dynamic_m_picks_cublas_above_its_m():
     """The op lowered by the fusepass backend: a static M above the limit calls cuBLAS; then a
     dynamic M compiles one graph that runs the kernel at M <= FP8_CUBLAS_ABOVE_M and cuBLAS
@@ -125,5 +119,5 @@ def test_gpu_compiled_dynamic_m_picks_cublas_above_its_m():
         assert torch.equal(out, fusepass.scaled_mm(p.a, w.b, p.scale_a, w.scale_b, BF16))
         assert len(codes) == (1 if i < 2 else 0)  # static, then one dynamic graph for every M
         if codes:
-            assert len(_CUBLAS_CALL.findall(codes[0])) == 1
+            assert len(CUBLAS_CALL.findall(codes[0])) == 1
             assert ("triton" in codes[0]) == (i == 1)  # the dynamic graph holds the kernel's branches too
