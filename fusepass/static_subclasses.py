@@ -19,7 +19,9 @@ anything else (another model's weight reusing the graph, a reassigned inner tens
 flattened afresh. In-place changes to a weight's data need nothing: the leaves are those
 tensors. The cache holds a weight only weakly. Inputs that are not static (activations), not
 subclasses, need a gradient, have a symbolic size, or share a leaf with another input (or
-the graph reads one of their inner tensors itself) keep AOTAutograd's own handling.
+the graph reads one of their inner tensors itself) keep AOTAutograd's own handling. For each
+weight taken apart, Dynamo's Python guards on its metadata become C++ guards on its attributes
+(``subclass_guards.py``).
 
 AOTAutograd's cache passes over a graph with the rebuild node (its target is none of the torch
 functions that cache knows to be safe, so no entry can be served for another subclass layout);
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .subclass_guards import cheaper_guards
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +237,11 @@ def flatten_static_subclasses(gm: torch.fx.GraphModule, example_inputs: list):
     specs = _unshared(specs, placeholders, example_inputs)
     if not any(specs):
         return None
+    for p, x, spec in zip(placeholders, example_inputs, specs, strict=True):
+        if spec is not None:
+            leaves = set(spec.paths())
+            cheaper_guards(getattr(p, "_dynamo_source", None), x,
+                           [path for path in spec.paths(leaves_only=False) if path not in leaves])
     gm = _copy(gm)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     new_inputs: list = []
