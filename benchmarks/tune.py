@@ -2,15 +2,21 @@
 
     python benchmarks/tune.py                          # 8 Llama shapes, every M bucket, every dtype
     python benchmarks/tune.py --shapes 8b --dtypes int8 --buckets 16,4096 --out /tmp/t.json
+    python benchmarks/tune.py --grid wide --buckets 1,16,64 --keep-defaults   # M <= 64 over a full grid
 
 For each dtype, M bucket (timed at its largest M; the last bucket at 16384) and (N, K),
 every candidate tile of the bucket is timed with and without TMA loads, then the best one
-is refined over split-K and pipeline depth. Timing follows bench_linear.py's protocol
+is refined over split-K and pipeline depth. ``--grid wide`` instead times, at the buckets up
+to M = 64, every config of a product grid of tiles, pipeline depths and splits (pointer
+loads; 144 configs at M <= 16, 108 at M <= 64). Timing follows bench_linear.py's protocol
 (CUDA graph of calls over rotating input copies > 3x L2, median of replays); each
-candidate's output must match the built-in default config's before it counts. The
-bucket's default for unseen shapes is the base candidate with the best geomean over
-the tuned shapes (``--keep-defaults`` leaves them: for a run over a few added shapes). An
-existing table at --out is updated, not replaced, and keeps its notes.
+candidate's output must match the built-in default config's before it counts. The fastest
+config wins, except at the decode buckets (M <= 16): outside CUDA graphs a decode launch runs
+unsplit (``configs.decode_unsplit``), so there the winner minimises the worse of its time over
+the best time and its unsplit form's time over the best unsplit time (the row's
+``unsplit_us``). The bucket's default for unseen shapes is the grid's candidate with the best
+geomean over the tuned shapes (``--keep-defaults`` leaves them: for a run over a few added
+shapes). An existing table at --out is updated, not replaced, and keeps its notes.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
+import itertools
 import json
 import math
 import multiprocessing
@@ -39,6 +46,7 @@ from fusepass.kernels.configs import (
     M_BUCKETS,
     TABLE_DIR,
     Config,
+    decode_unsplit,
     device_arch,
     fit,
     m_bucket,
@@ -71,9 +79,51 @@ SPLITS = (2, 4, 8)
 STAGES = (2, 3, 4, 5)
 
 
+# --grid wide: full products of tile, depth and split for the buckets up to WIDE_MAX_M. The base
+# procedure refines one tile's split, then its depth, and missed faster configs there: the
+# fp8 M <= 64 and decode rows of 2026-11-25 came from this grid (benchmarks/NOTES.md run 17,
+# steps 3 and 6). Pointer loads only, as everywhere up to M = 64 (POINTER_LOADS_MAX_M).
+WIDE_MAX_M = 64
+WIDE_DECODE = [Config(16, bn, bk, group_m=8, num_warps=4, num_stages=st, split_k=sk) for bn, bk, st, sk in
+               itertools.product((32, 64, 128), (128, 256, 512), (3, 4, 5, 6), (1, 2, 4, 8))]  # M <= 16
+WIDE_SMALL = [Config(bm, bn, bk, group_m=8, num_warps=4, num_stages=st, split_k=sk) for bm, bn, bk, st, sk in
+              itertools.product((32, 64), (32, 64, 128), (128, 256), (3, 4, 5), (1, 2, 4))]  # M <= 64
+
+
 def base_candidates(bucket: int) -> list[Config]:
     loads = (False,) if pointer_loads_only(bucket) else (False, True)
     return [replace(c, tma=tma) for c in BASE[bucket] for tma in loads]
+
+
+def is_wide(bucket: int, grid: str) -> bool:
+    return grid == "wide" and bucket_m(bucket) <= WIDE_MAX_M
+
+
+def grid_candidates(bucket: int, grid: str) -> list[Config]:
+    """The configs timed first at a bucket (and precompiled): the wide grid's, or the base tiles."""
+    if is_wide(bucket, grid):
+        return WIDE_DECODE if bucket_m(bucket) <= 16 else WIDE_SMALL
+    return base_candidates(bucket)
+
+
+def runs_unsplit(bucket: int) -> bool:
+    """Whether compiled code outside CUDA graphs drops a split at this bucket (configs.decode_unsplit)."""
+    return decode_unsplit(replace(BUILTIN[bucket], split_k=2), M_BUCKETS[bucket], split_decode=False).split_k == 1
+
+
+def choose(results: dict, bucket: int) -> Config:
+    """The config a row gets from ``{Config: us}``: the fastest, except where ``runs_unsplit``:
+    there the least worse of (its time / the best time, its unsplit form's / the best unsplit
+    time), ties to the faster; a split config whose unsplit form has no time is never chosen."""
+    fastest = min(results, key=results.get)
+    unsplit = [us for cfg, us in results.items() if cfg.split_k == 1]
+    if not runs_unsplit(bucket) or not unsplit:  # no unsplit time at all: nothing to weigh
+        return fastest
+    best_any, best_unsplit = results[fastest], min(unsplit)
+
+    def worse(cfg):
+        return max(results[cfg] / best_any, results.get(replace(cfg, split_k=1), math.inf) / best_unsplit)
+    return min(results, key=lambda cfg: (worse(cfg), results[cfg]))
 
 
 def run(t: dict, dtype: str, cfg: Config) -> torch.Tensor:
@@ -97,22 +147,28 @@ def _compile(job) -> None:
         print(f"    compile of {cfg} failed: {type(e).__name__}", file=sys.stderr, flush=True)
 
 
-def precompile(dtypes, buckets, shapes, log) -> None:
-    """Compile every base candidate in parallel processes: Triton compiles one kernel at a
-    time per process, and tuning ~100 kernels serially spent most of its time compiling."""
+def compile_jobs(dtypes, buckets, shapes, grid: str) -> list:
+    """``_compile``'s jobs for the built-in and grid candidates, one per distinct kernel."""
     jobs = {}
     for dtype in dtypes:
         for bucket in buckets:
             for N, K in shapes:
-                for cfg in [BUILTIN[bucket], *base_candidates(bucket)]:
+                for cfg in [BUILTIN[bucket], *grid_candidates(bucket, grid)]:
                     M = min(16, bucket_m(bucket))
                     key = (dtype, fit(cfg, N, K), M, N % 16 == 0, K % 16 == 0)
                     jobs.setdefault(key, (dtype, fit(cfg, N, K).as_dict(), M, N, K))
+    return list(jobs.values())
+
+
+def precompile(dtypes, buckets, shapes, log, grid: str = "base") -> None:
+    """Compile every grid candidate in parallel processes: Triton compiles one kernel at a
+    time per process, and tuning ~100 kernels serially spent most of its time compiling."""
+    jobs = compile_jobs(dtypes, buckets, shapes, grid)
     workers = min(12, os.cpu_count() or 1)
     log(f"compiling {len(jobs)} kernels in {workers} processes")
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        list(pool.map(_compile, jobs.values()))
+        list(pool.map(_compile, jobs))
 
 
 def bucket_m(bucket: int) -> int:
@@ -123,7 +179,7 @@ def time_config(dtype: str, cfg: Config, sets: list, copies: int) -> float:
     return graph_time_us(lambda i: (lambda t=sets[i]: run(t, dtype, cfg)), copies)
 
 
-def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> dict:
+def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log, grid: str = "base") -> dict:
     """us of every candidate at one (dtype, bucket, N, K): {Config: us}."""
     M = bucket_m(bucket)
     copies = max(1, min(64, math.ceil(3 * l2_bytes / (M * K + N * K))))
@@ -131,6 +187,19 @@ def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> d
     sets = [inputs(dtype, M, N, K, g) for _ in range(copies)]
     t = sets[0]
     ref = run(t, dtype, fit(BUILTIN[bucket], N, K))
+
+    def measure(cfg: Config) -> float:
+        out = run(t, dtype, cfg)
+        # int8 sums exactly; fp8 split-K adds its slices in another order.
+        torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
+        return time_config(dtype, cfg, sets, copies)
+
+    return search(bucket, N, K, grid, measure, log)
+
+
+def search(bucket: int, N: int, K: int, grid: str, measure, log) -> dict:
+    """{Config: us} of the configs tried at one shape, ``measure(cfg)`` timing one (apart from
+    the GPU work, so the procedure is testable)."""
     results: dict[Config, float] = {}
 
     def trial(cfg: Config):
@@ -138,16 +207,15 @@ def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> d
         if cfg in results:
             return
         try:
-            out = run(t, dtype, cfg)
-            # int8 sums exactly; fp8 split-K adds its slices in another order.
-            torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
-            results[cfg] = time_config(dtype, cfg, sets, copies)
+            results[cfg] = measure(cfg)
         except Exception as e:  # too much shared memory, a mismatch: reported, never chosen
             log(f"    skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
     trial(BUILTIN[bucket])
-    for cfg in base_candidates(bucket):
+    for cfg in grid_candidates(bucket, grid):
         trial(cfg)
+    if is_wide(bucket, grid):  # the grid holds every split and depth already
+        return results
     best = min(results, key=results.get)
     if bucket_m(bucket) <= 256:
         for split in SPLITS:
@@ -155,16 +223,18 @@ def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log) -> d
     best = min(results, key=results.get)
     for stages in STAGES:
         trial(replace(best, num_stages=stages))
+    if runs_unsplit(bucket):  # choose() weighs the fastest's unsplit form; elsewhere nothing more
+        trial(replace(min(results, key=results.get), split_k=1))
     return results
 
 
-def pick_default(bucket: int, per_shape: dict) -> tuple[Config, float]:
-    """The base candidate with the best geomean of (its time / the shape's best time) over
+def pick_default(bucket: int, per_shape: dict, grid: str = "base") -> tuple[Config, float]:
+    """The grid candidate with the best geomean of (its time / the shape's best time) over
     the tuned shapes: the config for shapes the table has not seen."""
     def score(cfg):
         ratios = [r.get(fit(cfg, N, K), math.inf) / min(r.values()) for (N, K), r in per_shape.items()]
         return math.exp(sum(map(math.log, ratios)) / len(ratios))
-    best = min(base_candidates(bucket), key=score)
+    best = min(grid_candidates(bucket, grid), key=score)
     return best, score(best)
 
 
@@ -191,6 +261,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="int8,fp8,int8_azp", help="int8_azp: int8 with a per-token zero point")
     p.add_argument("--buckets", default=",".join(str(bucket_m(b)) for b in range(len(M_BUCKETS))),
                    help="M values; each tunes the bucket that holds it")
+    p.add_argument("--grid", choices=("base", "wide"), default="base",
+                   help="wide: buckets up to M = 64 time a full grid of tiles, depths and splits")
     p.add_argument("--replays", type=int, default=10, help="graph replays per candidate (median)")
     p.add_argument("--no-precompile", action="store_true", help="compile in this process only")
     p.add_argument("--out", default=None, help="table path (default: fusepass/kernels/tuned/<arch>.json)")
@@ -218,26 +290,30 @@ def main(argv=None) -> int:
 
     bench_linear.REPLAYS = args.replays
     if not args.no_precompile:
-        precompile(dtypes, buckets, shapes, log)
+        precompile(dtypes, buckets, shapes, log, args.grid)
     todo = len(dtypes) * len(buckets) * len(shapes)
     done = 0
     for dtype in dtypes:
         for bucket in buckets:
             per_shape = {}
             for N, K in shapes:
-                results = tune_shape(dtype, bucket, N, K, l2, log)
-                best = min(results, key=results.get)
+                results = tune_shape(dtype, bucket, N, K, l2, log, args.grid)
+                best = choose(results, bucket)
                 base = fit(BUILTIN[bucket], N, K)
                 per_shape[(N, K)] = results
-                table["shapes"][table_key(dtype, bucket, N, K)] = {
+                row = table["shapes"][table_key(dtype, bucket, N, K)] = {
                     "config": best.as_dict(), "us": round(results[best], 2),
                     "builtin_us": round(results[base], 2) if base in results else None,
                     "candidates": len(results),
                 }
+                if runs_unsplit(bucket):  # what the row's config costs outside CUDA graphs
+                    unsplit = results.get(replace(best, split_k=1))
+                    row["unsplit_us"] = round(unsplit, 2) if unsplit is not None else None
                 done += 1
                 log(f"{done}/{todo} {dtype} M={bucket_m(bucket)} N={N} K={K}: {results[best]:.1f} us "
-                    f"({results.get(base, math.nan) / results[best]:.2f}x faster than the built-in default) {best}")
-            default, score = pick_default(bucket, per_shape)
+                    f"({results.get(base, math.nan) / results[best]:.2f}x faster than the built-in default"
+                    + (f", unsplit {row['unsplit_us']} us" if "unsplit_us" in row else "") + f") {best}")
+            default, score = pick_default(bucket, per_shape, args.grid)
             log(f"default {table_key(dtype, bucket)}: {default} ({score:.3f}x the per-shape best, geomean)"
                 + (" (not written: --keep-defaults)" if args.keep_defaults else ""))
             if not args.keep_defaults:
