@@ -74,10 +74,10 @@ class Model(torch.nn.Module):
 
 
 class Backend:
-    """Counts compiles, and the guard types each compiled frame kept (a ``guard_filter_fn``)."""
+    """Counts compiles, and the guard types and names each compiled frame kept (a ``guard_filter_fn``)."""
 
     def __init__(self):
-        self.compiles, self.types = 0, Counter()
+        self.compiles, self.types, self.names = 0, Counter(), []
 
     def __call__(self, gm, example_inputs):
         self.compiles += 1
@@ -89,6 +89,7 @@ class Backend:
 
     def filter(self, entries):
         self.types = Counter(e.guard_type for e in entries)
+        self.names = [e.name for e in entries]
         return [True] * len(entries)
 
     def compile(self, fn):
@@ -107,6 +108,7 @@ def test_dynamo_s_python_metadata_guards_are_replaced():
     with torch.no_grad():
         torch.testing.assert_close(backend.compile(m)(x), m(x), rtol=0, atol=0)
     assert backend.types["TENSOR_SUBCLASS_METADATA_MATCH"] == 0
+    assert not [n for n in backend.names if "__tensor_flatten__" in n]  # nor the inner-tensor list
     # in their place: the dict's keys, the enum member and the function by identity
     assert backend.types["DICT_KEYS_MATCH"] >= 1 and backend.types["ID_MATCH"] >= 3
 
@@ -182,9 +184,39 @@ class ByIdentity:
     tile: tuple = (1, 4)
 
 
+class Ranges(list):
+    """A list subclass: Dynamo's value guard would not copy it, and misses in-place changes."""
+
+
+@dataclasses.dataclass
+class OwnEq:
+    tile: tuple = (1, 4)
+
+    def __eq__(self, other):  # (compares more than the fields)
+        return type(other) is OwnEq and other.tile == self.tile and getattr(other, "extra", 0) == getattr(self, "extra", 0)
+
+
+class Classy(Tagged):
+    factor = 2  # a class attribute in the flatten context
+
+
+class Slotted(Tagged):
+    __slots__ = ()
+
+
+def _retype(cls):
+    def retype(w):
+        w.__class__ = cls
+        if cls is Classy:
+            w.keys += ("factor",)
+    return retype
+
+
 @pytest.mark.parametrize("add", [_add("opaque", Opaque(1)), _add("nested", [(1, 2)]),
-                                 _add("spare", torch.ones(2), in_context=False)],
-                         ids=["object", "list-of-tuples", "unlisted-tensor"])
+                                 _add("spare", torch.ones(2), in_context=False), _add("ranges2", Ranges([1, 2])),
+                                 _add("tile", OwnEq()), _add("class", 1), _retype(Classy), _retype(Slotted)],
+                         ids=["object", "list-of-tuples", "unlisted-tensor", "list-subclass", "dataclass-own-eq",
+                              "keyword-name", "class-attribute", "slots"])
 def test_a_weight_with_another_kind_of_attribute_keeps_dynamo_s_guards(add):
     m, x, backend = Model(), torch.randn(3, 4), Backend()
     add(m.w)
