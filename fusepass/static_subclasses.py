@@ -238,10 +238,10 @@ def flatten_static_subclasses(gm: torch.fx.GraphModule, example_inputs: list):
     if not any(specs):
         return None
     for p, x, spec in zip(placeholders, example_inputs, specs, strict=True):
-        if spec is not None:
-            leaves = set(spec.paths())
-            cheaper_guards(getattr(p, "_dynamo_source", None), x,
-                           [path for path in spec.paths(leaves_only=False) if path not in leaves])
+        if spec is not None:  # the weight and each inner subclass: Dynamo's source, the value
+            leaves, source = set(spec.paths()), getattr(p, "_dynamo_source", None)
+            levels = [()] + [path for path in spec.paths(leaves_only=False) if path not in leaves]
+            cheaper_guards([(_attr_source(source, path), _walk(x, path)) for path in levels])
     gm = _copy(gm)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     new_inputs: list = []

@@ -93,11 +93,14 @@ def _level_guards(level: torch.Tensor, source, builder) -> list | None:
         return None
     names, ctx = level.__tensor_flatten__()
     own = {name: v for name, v in vars(level).items() if name not in names and not name.startswith("_dynamo")}
-    entries = [] if ctx is None else list(ctx.values()) if type(ctx) is dict else list(ctx) if type(ctx) in (
-        list, tuple) else [ctx]
+    if ctx is None:
+        entries = []
+    elif type(ctx) is dict:
+        entries = list(ctx.values())
+    else:
+        entries = list(ctx) if type(ctx) in (list, tuple) else [ctx]
     tensor = [getattr(level, a) for a in _OWN]
-    if not all(any(e is v for v in own.values()) or (type(e) in (torch.dtype, torch.Size, torch.device, torch.layout)
-                                                    and any(type(t) is type(e) and t == e for t in tensor))
+    if not all(any(e is v for v in own.values()) or any(type(t) is type(e) and t == e for t in tensor)
                for e in entries):
         return None
     guards = []
@@ -109,26 +112,20 @@ def _level_guards(level: torch.Tensor, source, builder) -> list | None:
     return guards
 
 
-def cheaper_guards(source, value: torch.Tensor, levels: list[tuple[str, ...]]) -> bool:
-    """Swap, in the frame being compiled, Dynamo's metadata and inner-tensor-list guards on the
-    weight ``value`` at ``source`` and on its inner subclasses (at attribute ``levels``) for C++
-    guards on their attributes. False (nothing changed) where an attribute is of a kind those
-    cannot cover, or outside a Dynamo compile."""
+def cheaper_guards(levels: list[tuple[object, torch.Tensor]]) -> bool:
+    """Swap, in the frame being compiled, Dynamo's metadata and inner-tensor-list guards on one
+    weight's subclass ``levels`` (Dynamo's source and the value of the weight and of each inner
+    subclass) for C++ guards on their attributes. False (nothing changed) where an attribute is
+    of a kind those cannot cover, a level has no source, or outside a Dynamo compile."""
     from torch._dynamo.guards import GuardBuilder
-    from torch._dynamo.source import AttrSource, SubclassAttrListSource
+    from torch._dynamo.source import SubclassAttrListSource
     from torch._guards import TracingContext
 
     context = TracingContext.try_get()
-    if context is None or source is None:
+    if context is None or any(src is None for src, _ in levels):
         return False
-    sources = {(): source}
-    for path in sorted(levels, key=len):
-        sources[path] = AttrSource(sources[path[:-1]], path[-1])
     added = []
-    for path, src in sources.items():
-        level = value
-        for name in path:
-            level = getattr(level, name)
+    for src, level in levels:
         try:
             guards = _level_guards(level, src, GuardBuilder)
         except Exception:  # (a field never set, an attribute that raises): Dynamo's guards stay
@@ -137,7 +134,7 @@ def cheaper_guards(source, value: torch.Tensor, levels: list[tuple[str, ...]]) -
             log.debug("fusepass: a weight keeps Dynamo's metadata guards (%s)", type(level).__name__)
             return False
         added += guards
-    metadata = set(sources.values())
+    metadata = {src for src, _ in levels}
     lists = {SubclassAttrListSource(s) for s in metadata}
     dynamo = context.guards_context.dynamo_guards
     drop = [g for g in dynamo.inner
