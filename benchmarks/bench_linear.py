@@ -5,9 +5,12 @@
     python benchmarks/bench_linear.py --plot results/X.json   # redraw a plot only
 
 Protocol: each implementation is captured in a CUDA graph of R calls over R rotating
-copies of its inputs (together > 3x L2, so every call reads cold weights), the graph is
-replayed >= 20 times and the median per call is reported, with its ratio to the floor
-(bytes over the measured read bandwidth, or 2MNK over the measured dense peak).
+copies of its inputs (together > 3x L2, so every call reads cold weights). A point's graphs
+are replayed in turns (5 rounds of 5 replays each, the order rotating each round, the GPU
+idle after each turn as long as the turn ran, so that no turn inherits the clocks its
+predecessor's power draw left) and the median per call of the 25 is reported, with its
+ratio to the floor (bytes over the measured read bandwidth, or 2MNK over the measured
+dense peak).
 Writes benchmarks/results/<gpu>-<date>.json and .png and prints a table.
 """
 
@@ -38,34 +41,64 @@ SHAPES = {
 }
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
 REPLAYS = 25
+ROUNDS = 5  # bench_point's implementations take turns: REPLAYS // ROUNDS replays a turn
+# After each turn the GPU idles this many times the turn's length. Without it a turn ran at
+# the clocks its predecessor's power draw left: per-token azp 1.06-1.22x symmetric's time at 5
+# large-M points, 0.995-1.016x with REST = 1 and 0.991-1.017x with 3 (run 19, call 5).
+REST = 1.0
+
+
+class Graph:
+    """``n_copies`` calls captured in one CUDA graph (call i uses copy i), ready to replay."""
+
+    def __init__(self, make_call, n_copies: int):
+        self.calls, self.n_copies = [make_call(i) for i in range(n_copies)], n_copies  # kept: the graph reads their inputs
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for c in self.calls:  # warm-up: compile, autotune, allocate
+                c()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for c in self.calls:
+                c()
+        self.graph.replay()
+        torch.cuda.synchronize()
+
+    def times_us(self, replays: int) -> list[float]:
+        """us per call of each of ``replays`` replays."""
+        times = []
+        for _ in range(replays):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            self.graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1000 / self.n_copies)
+        return times
 
 
 def graph_time_us(make_call, n_copies: int) -> float:
     """Median us per call of a CUDA graph of ``n_copies`` calls (call i uses copy i)."""
-    calls = [make_call(i) for i in range(n_copies)]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm-up: compile, autotune, allocate
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / n_copies)
-    del g
-    return statistics.median(times)
+    return statistics.median(Graph(make_call, n_copies).times_us(REPLAYS))
+
+
+def interleaved_us(graphs: dict) -> dict:
+    """Median us per call of each of ``graphs`` (name -> Graph), REPLAYS replays each, taken
+    in ROUNDS turns whose order rotates, the GPU idle for REST times a turn's length after
+    each. Clocks drift within a point: timed one after the other, an implementation took
+    that drift as its own (run 18: per-token azp at 1.17x symmetric's time at M = 4096,
+    N = 8192, K = 28672; 0.99x in a probe that alternated them, run 19)."""
+    names, times = list(graphs), {name: [] for name in graphs}
+    for r in range(ROUNDS if names else 0):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            turn = graphs[name].times_us(REPLAYS // ROUNDS)
+            times[name] += turn
+            time.sleep(REST * sum(turn) * graphs[name].n_copies / 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def ceilings() -> dict:
@@ -188,18 +221,20 @@ def floor_us(kind: str, M: int, N: int, K: int, ceil: dict) -> float:
 def bench_point(M, N, K, ceil, l2_bytes, log):
     g = torch.Generator(device="cuda").manual_seed(M * 7 + N + K)
     row = {"M": M, "N": N, "K": K, "us": {}, "floor_us": {}}
-    for name, (kind, fn) in implementations(M).items():
+    impls, graphs = implementations(M), {}
+    for name, (kind, fn) in impls.items():
         per_call = (2 if kind == "bf16" else 1) * (M * K + N * K)
         copies = max(1, min(64, math.ceil(3 * l2_bytes / per_call)))
         sets = [make_inputs(kind, M, N, K, g) for _ in range(copies)]
         try:
-            row["us"][name] = graph_time_us(lambda i, sets=sets: (lambda t=sets[i]: fn(t)), copies)
+            graphs[name] = Graph(lambda i, sets=sets, fn=fn: (lambda t=sets[i]: fn(t)), copies)
         except Exception as e:  # reported, not fatal: the table says which path failed
-            row["us"][name] = None
             log(f"  {name} at M={M} N={N} K={K} failed: {str(e).splitlines()[0][:100]}")
         row["floor_us"][kind] = floor_us(kind, M, N, K, ceil)
-        del sets
-        torch.cuda.empty_cache()
+    us = interleaved_us(graphs)
+    row["us"] = {name: us.get(name) for name in impls}
+    del graphs
+    torch.cuda.empty_cache()
     return row
 
 

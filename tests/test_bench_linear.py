@@ -47,3 +47,32 @@ def test_the_kernel_row_only_where_the_op_runs_cublas(bench, monkeypatch):
     assert bench.KERNEL_FP8 in bench.implementations(bench.FP8_CUBLAS_ABOVE_M + 1)
     monkeypatch.setattr(bench, "_fp8_on_cublas", lambda: False)  # another GPU: the op is the kernel
     assert bench.KERNEL_FP8 not in bench.implementations(bench.FP8_CUBLAS_ABOVE_M + 1)
+
+
+def test_a_points_implementations_take_turns_and_report_their_medians(bench, monkeypatch):
+    turns, rests = [], []
+    monkeypatch.setattr(bench.time, "sleep", rests.append)
+
+    class Fake:  # stands in for a captured CUDA graph: each turn's replays cost its base + the turn's drift
+        n_copies = 2
+
+        def __init__(self, name, base):
+            self.name, self.base = name, base
+
+        def times_us(self, replays):
+            turns.append((self.name, replays))
+            return [self.base + len(turns) + i for i in range(replays)]
+
+    us = bench.interleaved_us({"a": Fake("a", 100.0), "b": Fake("b", 100.0), "c": Fake("c", 200.0)})
+    per_turn = bench.REPLAYS // bench.ROUNDS
+    assert [name for name, _ in turns] == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c", "b", "c", "a"]
+    assert {n for _, n in turns} == {per_turn}
+    # a drift that grows through the point reaches equal implementations alike (timed one
+    # after the other, b would have come out 5 turns' drift slower than a)
+    assert abs(us["a"] - us["b"]) <= 1 and us["c"] - us["a"] == pytest.approx(100.0, abs=2)
+    expected_a = sorted(100 + t + 1 + i for t, (name, _) in enumerate(turns) if name == "a" for i in range(per_turn))
+    assert us["a"] == expected_a[len(expected_a) // 2]
+    # after each turn the GPU idles as long as the turn ran (REST = 1): 2 calls a replay
+    first_turn_s = 2 * sum(101 + i for i in range(per_turn)) / 1e6
+    assert len(rests) == len(turns) and rests[0] == pytest.approx(bench.REST * first_turn_s)
+    assert bench.interleaved_us({}) == {}  # every implementation of the point failed
