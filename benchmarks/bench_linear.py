@@ -81,8 +81,11 @@ class Graph:
 
 
 def graph_time_us(make_call, n_copies: int) -> float:
-    """Median us per call of a CUDA graph of ``n_copies`` calls (call i uses copy i)."""
-    return statistics.median(Graph(make_call, n_copies).times_us(REPLAYS))
+    """Median us per call of a CUDA graph of ``n_copies`` calls (call i uses copy i), REPLAYS
+    replays; then the GPU idles REST times as long, so the next timing starts from rest."""
+    times = Graph(make_call, n_copies).times_us(REPLAYS)
+    time.sleep(REST * sum(times) * n_copies / 1e6)
+    return statistics.median(times)
 
 
 def interleaved_us(graphs: dict) -> dict:
@@ -214,7 +217,10 @@ def floor_us(kind: str, M: int, N: int, K: int, ceil: dict) -> float:
     elt = 2 if kind == "bf16" else 1
     nbytes = elt * (M * K + K * N) + 4 * (M + N) + 2 * N + 2 * M * N
     mem = nbytes / (memory_tbps(ceil)[0] * 1e6)
-    peak = {"bf16": ceil["bf16_TFLOPS"], "fp8": ceil["fp8_TFLOPS"], "int8": ceil["int8_TOPS"]}[kind]
+    # int8 and fp8 share one tensor-core rate on Hopper; _int_mm's measured peak (952 TOPS on
+    # the H200) is below what our int8 kernel reaches (1399 TOPS, run 19), so the faster holds both.
+    fast = max(ceil["fp8_TFLOPS"], ceil["int8_TOPS"])
+    peak = {"bf16": ceil["bf16_TFLOPS"], "fp8": fast, "int8": fast}[kind]
     return max(mem, 2 * M * N * K / (peak * 1e6))
 
 
@@ -285,7 +291,7 @@ def _geomean(xs):
 
 
 def summarize(result: dict) -> list[str]:
-    """Issue 5's targets, read off a result (ratios > 1: fusepass faster)."""
+    """Issue 13's targets (and issue 5's before them), read off a result (ratios > 1: fusepass faster)."""
     rows = result["rows"]
     bw, bw_name, target = memory_tbps(result["ceilings"])
     out = []
@@ -301,7 +307,11 @@ def summarize(result: dict) -> list[str]:
     if x:
         tops = [2 * r["M"] * r["N"] * r["K"] / r["us"]["fusepass int8"] / 1e6 for r in rows if r["M"] >= 4096]
         out.append(f"int8, M>=64: geomean {_geomean(x):.2f}x torch.compile (target 1.35x), min {min(x):.2f}x (target 1.0x); "
-                   f"M>=4096: {min(tops):.0f}-{max(tops):.0f} TOPS (target 1000)")
+                   f"M>=4096: {min(tops):.0f}-{max(tops):.0f} TOPS (target 1400)")
+    x = ratios("fusepass int8", "fp8 torch._scaled_mm", (1024, 4096, 16384))
+    if x:
+        out.append(f"int8, M>=1024: {min(x):.2f}-{max(x):.2f}x fp8 torch._scaled_mm, the same tensor-core peak "
+                   f"(target >= 1.0x at every point: {sum(v >= 1.0 for v in x)} of {len(x)})")
     for ms in ((1,), (16,)):
         bf16 = [2 * t for t in weight_tbps("bf16 F.linear", ms)]  # 2 bytes a weight
         bf16_line = f"; bf16 F.linear reads {min(bf16):.2f}-{max(bf16):.2f} TB/s" if bf16 else ""

@@ -76,3 +76,16 @@ def test_a_points_implementations_take_turns_and_report_their_medians(bench, mon
     first_turn_s = 2 * sum(101 + i for i in range(per_turn)) / 1e6
     assert len(rests) == len(turns) and rests[0] == pytest.approx(bench.REST * first_turn_s)
     assert bench.interleaved_us({}) == {}  # every implementation of the point failed
+
+
+def test_int8_against_its_targets_and_the_fp8_peak(bench):
+    rows = [{"M": M, "N": 4096, "K": 4096, "us": {"fusepass int8": us, "int8 torch.compile": 2 * us, "fp8 torch._scaled_mm": fp8}}
+            for M, us, fp8 in ((1024, 40.0, 30.0), (4096, 100.0, 110.0), (16384, 400.0, 400.0))]
+    ceil = {"read_TBps": 4.0, "int8_TOPS": 950.0, "fp8_TFLOPS": 1450.0, "bf16_TFLOPS": 780.0}
+    lines = bench.summarize({"rows": rows, "ceilings": ceil})
+    assert lines[:2] == [
+        "int8, M>=64: geomean 2.00x torch.compile (target 1.35x), min 2.00x (target 1.0x); M>=4096: 1374-1374 TOPS (target 1400)",
+        "int8, M>=1024: 0.75-1.10x fp8 torch._scaled_mm, the same tensor-core peak (target >= 1.0x at every point: 2 of 3)",
+    ]
+    # int8's compute floor is the faster of the two measured peaks (Hopper: one tensor-core rate)
+    assert bench.floor_us("int8", 16384, 4096, 4096, ceil) == pytest.approx(2 * 16384 * 4096 * 4096 / 1450e6)

@@ -78,9 +78,13 @@ def test_wide_grid(tune):
 def test_base_grid_is_the_base_tiles(tune):
     # Today's candidates: the decode tiles with pointer loads, the large-M ones with and without TMA.
     assert tune.grid_candidates(0, "base") == [tune.replace(c, tma=False) for c in tune.DECODE]
-    assert len(tune.grid_candidates(4, "base")) == 12 and sum(c.tma for c in tune.grid_candidates(4, "base")) == 6
+    assert len(tune.grid_candidates(4, "base")) == 16 and sum(c.tma for c in tune.grid_candidates(4, "base")) == 10
     for bucket in range(len(tune.M_BUCKETS)):
         assert tune.grid_candidates(bucket, "base") == tune.base_candidates(bucket)
+        # the persistent kernel's tiles from M <= 1024 up (TMA loads), nowhere below
+        persistent = [c for c in tune.base_candidates(bucket) if c.persistent]
+        assert persistent == (tune.PERSISTENT if (tune.M_BUCKETS[bucket] or 1 << 30) >= 1024 else [])
+        assert all(c.tma and c.split_k == 1 for c in persistent)
 
 
 def _fake_time(cfg):
@@ -98,7 +102,7 @@ def _search(tune, M, grid, N=4096, K=4096):
     return results, logged
 
 
-@pytest.mark.parametrize("M", [64, 256, 4096])
+@pytest.mark.parametrize("M", [64, 256, 1024, 4096])
 def test_base_search_is_todays_procedure(tune, M):
     bucket = tune.m_bucket(M)
     results, _ = _search(tune, M, "base")
@@ -106,9 +110,12 @@ def test_base_search_is_todays_procedure(tune, M):
     best = min(tried, key=_fake_time)
     if M <= 256:
         tried |= {tune.replace(best, split_k=s) for s in tune.SPLITS}
-    best = min(tried, key=_fake_time)
-    tried |= {tune.replace(best, num_stages=s) for s in tune.STAGES}
-    assert best.split_k == (8 if M <= 256 else 1)
+    assert min(tried, key=_fake_time).split_k == (8 if M <= 256 else 1)
+    for persistent in (False, True):  # each kernel's best tiles get their depth refined
+        family = [c for c in tried if c.persistent == persistent]
+        if family:
+            tried |= {tune.replace(min(family, key=_fake_time), num_stages=s) for s in tune.STAGES}
+    assert any(c.persistent for c in tried) == (M >= 1024)
     assert set(results) == tried  # nothing more: no unsplit form where the split is kept
 
 

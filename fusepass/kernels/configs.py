@@ -40,6 +40,9 @@ class Config:
     num_stages: int = 3
     split_k: int = 1  # programs along K; > 1: slices summed by each tile's last program
     tma: bool = False  # TMA loads (device-made descriptors) where the operand layout allows them
+    # With tma and split_k 1: the persistent kernel (persistent.py: one program per SM, TMA
+    # stores) where TMA can also write the output; else scaled_mm_kernel with these tiles.
+    persistent: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -195,7 +198,7 @@ def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | N
         if entry:
             cfg = Config(**entry["config"])
     if pointer_loads_only(bucket):
-        cfg = replace(cfg, tma=False)
+        cfg = replace(cfg, tma=False, persistent=False)
     if N is not None and K is not None:
         cfg = fit(cfg, N, K)
         cfg = cfg if tuned else derive_split(cfg, bucket, N, K, sms)

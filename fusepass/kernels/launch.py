@@ -23,8 +23,9 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from .configs import Config, bucket_choices, cdiv, device_arch, select_config
+from .configs import Config, bucket_choices, cdiv, device_arch, select_config, sm_count
 from .direct import launcher, record, record_call, split_scratch
+from .persistent import scaled_mm_persistent_kernel
 from .scaled_mm import scaled_mm_kernel
 
 ACC_DTYPES = (torch.int32,)  # out_dtype of fusepass.int_mm: the accumulator, no epilogue
@@ -224,30 +225,36 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     prepare = _ensure_allocator if tma and not fake and a.is_cuda else None
     if prepare is not None:
         prepare()
-    grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), cfg.split_k)
-    acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
-    partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, acc_dtype, a.device, fake)
-    args = (
-        a, b, out,
-        # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
-        # Inductor gets no second alias of a tensor to clone.
-        scale_a, scale_b, bias, azp_adj, azp,
-        partial, tickets,
-        M, N, K,
-        a.stride(0), a.stride(1),
-        b.stride(0), b.stride(1),
-        out.stride(0), out.stride(1),
-    )
-    entry = launcher(scaled_mm_kernel, fake)[grid](
-        *args,
-        **flags,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        SPLIT_K=cfg.split_k,
-        USE_TMA=tma,
-        EVEN_K=statically_known_true(K % cfg.block_k == 0),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
+    # Inductor gets no second alias of a tensor to clone.
+    operands = (a, b, out, scale_a, scale_b, bias, azp_adj, azp)
+    partial = tickets = None
+    if cfg.persistent and tma and cfg.split_k == 1 and _aligned(out, out.stride(0), fake):
+        sms = sm_count(a.device)
+        # Programs past the last tile find no tile: with a symbolic M, launch one per SM.
+        grid = (min(sms, tiles) if is_concrete_int(tiles) else sms,)
+        args = (*operands, M, N, K, a.stride(0), b.stride(1), out.stride(0))
+        entry = launcher(scaled_mm_persistent_kernel, fake)[grid](*args, **flags, **tiling, NUM_SMS=sms)
+    else:
+        grid = (tiles, cfg.split_k)
+        acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
+        partial, tickets = split_k_buffers(cfg.split_k, tiles, M, N, acc_dtype, a.device, fake)
+        args = (
+            *operands, partial, tickets,
+            M, N, K,
+            a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1),
+            out.stride(0), out.stride(1),
+        )
+        entry = launcher(scaled_mm_kernel, fake)[grid](
+            *args, **flags, **tiling,
+            SPLIT_K=cfg.split_k,
+            USE_TMA=tma,
+            EVEN_K=statically_known_true(K % cfg.block_k == 0),
+        )
     if not fake:
         record(entry, grid, args, out, None if partial is None else (partial, tickets), prepare)
     return out

@@ -54,7 +54,7 @@ def count(name: str) -> None:
 class PassConfig:
     # fp8 matmuls (rows 6-7) fuse only for a static M at most this: above it cuBLAS's
     # _scaled_mm is the faster. H200, bench_linear.py's 8 Llama shapes: the kernel is 1.34x
-    # cuBLAS's speed at M = 64 (geomean, 1.16-1.55x; NOTES run 19), 0.82x at M = 256; a probe
+    # cuBLAS's speed at M = 64 (geomean, 1.15-1.57x; NOTES run 19), 0.83x at M = 256; a probe
     # at M = 32: 1.30x (benchmarks/NOTES.md, run 16).
     fp8_max_m: int = 64
     # Pattern families to run, by module name (int_mm, blockwise, scaled_mm, dequant_mm).

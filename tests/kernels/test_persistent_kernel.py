@@ -1,0 +1,118 @@
+"""The persistent kernel (``fusepass/kernels/persistent.py``; Triton's interpreter on CPU,
+the GPU when there is one) against the ops' CPU reference, and where ``launch`` runs it
+instead of ``scaled_mm_kernel``."""
+
+import json
+
+import pytest
+import torch
+
+from fusepass.kernels import configs, launch, launch_scaled_mm
+from fusepass.kernels.configs import Config
+from fusepass.kernels.persistent import scaled_mm_persistent_kernel
+from fusepass.kernels.scaled_mm import scaled_mm_kernel
+from tests.helpers import assert_matches_oracle, make_problem
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PERSISTENT = Config(16, 32, 32, tma=True, persistent=True)
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernels ``launch`` launches, in order."""
+    kernels, real = [], launch.launcher
+
+    def spy(kernel, fake):
+        kernels.append(kernel)
+        return real(kernel, fake)
+    monkeypatch.setattr(launch, "launcher", spy)
+    return kernels
+
+
+@pytest.fixture(params=[2, None], ids=["2_programs", "one_per_sm"])
+def sms(request, monkeypatch):
+    """2 programs: each walks several tiles (the tile loop); None: the device's SM count."""
+    if request.param is not None:
+        monkeypatch.setattr(launch, "sm_count", lambda device: request.param)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("M,N,K", [(1, 24, 48), (33, 48, 256), (70, 136, 320)])
+@pytest.mark.parametrize("scales", ["per_row", "per_tensor"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_persistent_kernel(dtype, M, N, K, scales, out_dtype, sms, launched):
+    shapes = {} if scales == "per_row" else dict(sa_shape=(), sb_shape=())
+    p = make_problem(M, N, K, dtype, device=DEVICE, bias_dtype=torch.float32, **shapes)
+    out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, out_dtype, p.bias, config=PERSISTENT)
+    assert launched == [scaled_mm_persistent_kernel]
+    # the interpreter rounds fp32 -> bf16 toward zero: one bf16 ulp (as test_scaled_mm_kernel)
+    ulps = 1.0 if DEVICE == "cpu" and out_dtype == torch.bfloat16 else 0.0
+    assert_matches_oracle(out, p, out_dtype, extra_ulps=ulps)
+
+
+@pytest.mark.parametrize("azp", ["tensor", "token"])
+def test_persistent_kernel_azp(azp, sms, launched):
+    p = make_problem(70, 136, 320, device=DEVICE, azp=azp, bias_dtype=torch.float32)
+    out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, p.azp_adj, p.azp, config=PERSISTENT)
+    assert launched == [scaled_mm_persistent_kernel]
+    assert_matches_oracle(out, p, torch.float32)
+
+
+def test_persistent_kernel_raw_accumulator_is_exact(sms, launched):
+    p = make_problem(70, 136, 320, device=DEVICE)
+    acc = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=PERSISTENT)
+    assert launched == [scaled_mm_persistent_kernel]
+    assert torch.equal(acc.double(), p.a.double() @ p.b.double())
+
+
+@pytest.mark.parametrize("case", ["output_rows", "operand_rows", "split", "no_tma"])
+def test_falls_back_to_the_tile_kernel(case, launched):
+    # TMA cannot write 12 bf16 (24 bytes) rows, nor read 40-byte ones; a split and pointer
+    # loads are scaled_mm_kernel's alone. The same tiles run there.
+    N, K, cfg = (12, 64, PERSISTENT) if case == "output_rows" else (48, 40, PERSISTENT) if case == "operand_rows" \
+        else (48, 64, Config(16, 32, 32, split_k=2, tma=True, persistent=True)) if case == "split" \
+        else (48, 64, Config(16, 32, 32, persistent=True))
+    p = make_problem(33, N, K, device=DEVICE, bias_dtype=torch.float32)
+    out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.bfloat16, p.bias, config=cfg)
+    assert launched == [scaled_mm_kernel]
+    assert_matches_oracle(out, p, torch.bfloat16, extra_ulps=1.0 if DEVICE == "cpu" else 0.0)
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(configs, "TABLE_DIR", tmp_path)
+    configs.load_table.cache_clear()
+    configs._config.cache_clear()
+    yield tmp_path
+    configs.load_table.cache_clear()
+    configs._config.cache_clear()
+
+
+def test_table_rows_ask_for_it_above_pointer_load_buckets(table_dir):
+    tuned = Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
+    (table_dir / "sm90.json").write_text(json.dumps({"shapes": {}, "defaults": {
+        f"int8,{configs.bucket_name(b)}": {"config": tuned.as_dict()} for b in range(len(configs.M_BUCKETS))}}))
+    for m in (1, 16, 64, 65, 1024, 16384):
+        cfg = configs._config(configs.m_bucket(m), 8192, 8192, "int8", "sm90")
+        assert cfg.persistent == cfg.tma == (m > configs.POINTER_LOADS_MAX_M)
+    assert Config(**{k: v for k, v in tuned.as_dict().items() if k != "persistent"}).persistent is False  # older rows
+
+
+@pytest.mark.gpu
+def test_inductor_launches_it_and_sees_its_stores(monkeypatch):
+    # In compiled code Inductor launches the kernel itself and must see the TMA store as the
+    # output's write (its mutation analysis of the kernel), or the op returns empty memory.
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(launch, "select_config", lambda *a, **k: Config(128, 128, 128, num_warps=4, num_stages=4,
+                                                                        tma=True, persistent=True))
+    torch._dynamo.reset()
+    p = make_problem(1000, 512, 512, device="cuda", bias_dtype=torch.bfloat16)
+
+    def linear(a, b, sa, sb, bias):
+        return torch.ops.fusepass.scaled_mm(a, b, sa, sb, torch.bfloat16, bias).relu()
+    out, (code, *_) = run_and_get_code(torch.compile(linear, dynamic=False), p.a, p.b, p.scale_a, p.scale_b, p.bias)
+    torch._dynamo.reset()
+    assert "scaled_mm_persistent_kernel" in code
+    torch.testing.assert_close(out, linear(p.a, p.b, p.scale_a, p.scale_b, p.bias), rtol=0, atol=0)
+    assert out.abs().sum() > 0
