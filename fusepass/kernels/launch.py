@@ -16,7 +16,9 @@ compiled graph runs each M on its own bucket's tiles (a host-side ``if`` in the 
 
 from __future__ import annotations
 
+import functools
 from contextvars import ContextVar
+from dataclasses import replace
 
 import torch
 import triton
@@ -233,6 +235,8 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     operands = (a, b, out, scale_a, scale_b, bias, azp_adj, azp)
     partial = tickets = None
     if cfg.persistent and tma and cfg.split_k == 1 and _aligned(out, out.stride(0), fake):
+        cfg = persistent_stages(cfg, out.element_size(), a.device)
+        tiling["num_stages"] = cfg.num_stages
         sms = sm_count(a.device)
         # Programs past the last tile find no tile: with a symbolic M, launch one per SM.
         grid = (min(sms, tiles) if is_concrete_int(tiles) else sms,)
@@ -258,6 +262,31 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     if not fake:
         record(entry, grid, args, out, None if partial is None else (partial, tickets), prepare)
     return out
+
+
+def persistent_stages(cfg: Config, out_size: int, device: torch.device) -> Config:
+    """``cfg`` with as many of its stages as fit the device's shared memory next to the
+    persistent kernel's half-tile store buffer, whose size the output's dtype sets: a 256x128
+    tile with 4 stages fits with a bf16 output (224 KB), not with an fp32 one (256 KB of the
+    H200's 227 KB; a torchao model's fp32 epilogue output hit it, run 19)."""
+    limit = shared_memory(device)
+    store = cfg.block_m * (cfg.block_n // 2) * out_size
+    stages = cfg.num_stages
+    while stages > 2 and stages * (cfg.block_m + cfg.block_n) * cfg.block_k + store > limit:
+        stages -= 1  # 8-bit operands: one byte an element
+    return replace(cfg, num_stages=stages)
+
+
+def shared_memory(device: torch.device) -> float:
+    """Shared memory a program may take on ``device`` (no limit off CUDA: the interpreter)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return float("inf")
+    return _shared_memory(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
 def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device, fake: bool):

@@ -78,6 +78,30 @@ def test_falls_back_to_the_tile_kernel(case, launched):
     assert_matches_oracle(out, p, torch.bfloat16, extra_ulps=1.0 if DEVICE == "cpu" else 0.0)
 
 
+def test_stages_fit_beside_the_store_buffer(monkeypatch):
+    # H200: 227 KB a program. 256x128x128 int8 tiles take 48 KB a stage; the half-tile store
+    # buffer 32 KB in bf16, 64 KB in fp32: 4 stages fit with the one, 3 with the other.
+    monkeypatch.setattr(launch, "shared_memory", lambda device: 232448)
+    big = Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
+    assert launch.persistent_stages(big, 2, torch.device("cuda")).num_stages == 4
+    assert launch.persistent_stages(big, 4, torch.device("cuda")).num_stages == 3
+    assert launch.persistent_stages(Config(128, 128, 128, num_stages=4, tma=True, persistent=True), 4,
+                                    torch.device("cuda")).num_stages == 4
+    assert launch.persistent_stages(Config(256, 256, 256, num_stages=4), 4, torch.device("cuda")).num_stages == 2  # floor
+    monkeypatch.undo()
+    assert launch.shared_memory(torch.device("cpu")) == float("inf")  # the interpreter: no limit
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_the_largest_tiles_run_with_either_output(out_dtype, launched):
+    cfg = Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
+    p = make_problem(512, 256, 512, device="cuda", bias_dtype=torch.float32)
+    out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, out_dtype, p.bias, config=cfg)
+    assert launched == [scaled_mm_persistent_kernel]
+    assert_matches_oracle(out, p, out_dtype)
+
+
 @pytest.fixture
 def table_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "TABLE_DIR", tmp_path)
