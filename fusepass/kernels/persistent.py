@@ -56,14 +56,10 @@ def scaled_mm_persistent_kernel(
     M, N, K,
     # Row strides (TMA: unit stride along K for a and b.T, along N for out)
     stride_am, stride_bn, stride_om,
-    # Epilogue variant (as scaled_mm_kernel's)
-    SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    AZP: tl.constexpr,  # 0: none, 1: per-tensor, 2: per-token
-    RAW_ACC: tl.constexpr,  # no scales or zero point: store the accumulator
-    # Tiling
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    # Epilogue variant and tiling, as scaled_mm_kernel's
+    SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    AZP: tl.constexpr, RAW_ACC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_SMS: tl.constexpr,  # programs in the grid, each striding over the tiles
 ):
     HALF_N: tl.constexpr = BLOCK_N // 2

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fusepass.kernels import launch
+from fusepass.kernels import configs, launch
 
 
 @pytest.fixture
@@ -15,3 +15,14 @@ def sm90(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     with FakeTensorMode():
         yield
+
+
+@pytest.fixture
+def table_dir(tmp_path, monkeypatch):
+    """``configs`` reading its tuned tables from ``tmp_path`` (caches cleared around the test)."""
+    monkeypatch.setattr(configs, "TABLE_DIR", tmp_path)
+    configs.load_table.cache_clear()
+    configs._config.cache_clear()
+    yield tmp_path
+    configs.load_table.cache_clear()
+    configs._config.cache_clear()

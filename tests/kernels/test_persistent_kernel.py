@@ -102,16 +102,6 @@ def test_the_largest_tiles_run_with_either_output(out_dtype, launched):
     assert_matches_oracle(out, p, out_dtype)
 
 
-@pytest.fixture
-def table_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(configs, "TABLE_DIR", tmp_path)
-    configs.load_table.cache_clear()
-    configs._config.cache_clear()
-    yield tmp_path
-    configs.load_table.cache_clear()
-    configs._config.cache_clear()
-
-
 def test_table_rows_ask_for_it_above_pointer_load_buckets(table_dir):
     tuned = Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
     (table_dir / "sm90.json").write_text(json.dumps({"shapes": {}, "defaults": {

@@ -144,16 +144,6 @@ def test_config_covers_small_dims():
     assert select_config(4096, 4096, 4096).block_m == 128
 
 
-@pytest.fixture
-def table_dir(tmp_path, monkeypatch):
-    monkeypatch.setattr(configs, "TABLE_DIR", tmp_path)
-    configs.load_table.cache_clear()
-    configs._config.cache_clear()
-    yield tmp_path
-    configs.load_table.cache_clear()
-    configs._config.cache_clear()
-
-
 def untuned(bucket: int, cfg: Config, N: int, K: int) -> Config:
     """What a shape the table lacks gets from ``cfg`` (a bucket default): fitted, split at decode."""
     return configs.derive_split(configs.fit(cfg, N, K), bucket, N, K, configs.DEFAULT_SMS)

@@ -64,6 +64,8 @@ BAD_SCALED_MM = [
     ("device mismatch", dict(scale_b=torch.ones(N, device="meta")), ValueError,
      "all tensors must be on one device; `a` is on cpu but `scale_b` is on meta"),
     ("bias device", dict(bias=torch.ones(N, device="meta")), ValueError, "but `bias` is on meta"),
+    ("out str", dict(out_dtype="bfloat16"), TypeError,
+     "`out_dtype` must be one of bfloat16, float16, float32; got 'bfloat16' (str, not a torch.dtype)"),
 ]
 
 BAD_AZP = [
@@ -81,6 +83,8 @@ BAD_AZP = [
     ("azp device", dict(azp=torch.zeros(M, dtype=torch.int32, device="meta")), ValueError,
      "but `azp` is on meta"),
     ("scale_a numel", dict(scale_a=f32(2)), ValueError, "`scale_a` must hold one value"),
+    ("out str", dict(out_dtype="float16"), TypeError,
+     "fusepass.scaled_mm_azp: `out_dtype` must be one of bfloat16, float16, float32; got 'float16' (str, not a torch.dtype)"),
 ]
 
 
