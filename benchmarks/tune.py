@@ -5,11 +5,13 @@
     python benchmarks/tune.py --grid wide --buckets 1,16,64 --keep-defaults   # M <= 64 over a full grid
 
 For each dtype, M bucket (timed at its largest M; the last bucket at 16384) and (N, K),
-every candidate tile of the bucket is timed with and without TMA loads, then the best one
-is refined over split-K and pipeline depth. ``--grid wide`` instead times, at the buckets up
+every candidate tile of the bucket is timed with and without TMA loads (from M <= 1024 up,
+also the persistent kernel's tiles), then the best one is refined over split-K (up to M =
+256), and each kernel's best over pipeline depth. ``--grid wide`` instead times, at the buckets up
 to M = 64, every config of a product grid of tiles, pipeline depths and splits (pointer
 loads; 144 configs at M <= 16, 108 at M <= 64). Timing follows bench_linear.py's protocol
-(CUDA graph of calls over rotating input copies > 3x L2, median of replays); each
+(CUDA graph of calls over rotating input copies > 3x L2, median of replays, then the GPU
+idle as long as they ran, so each candidate starts from rest); each
 candidate's output must match the built-in default config's before it counts. The fastest
 config wins, except at the decode buckets (M <= 16): outside CUDA graphs a decode launch runs
 unsplit (``configs.decode_unsplit``), so there the winner minimises the worse of its time over
@@ -41,6 +43,7 @@ import bench_linear
 from bench_linear import SHAPES, graph_time_us, make_inputs
 
 from fusepass.kernels import launch_scaled_mm
+from fusepass.kernels.launch import persistent_stages
 from fusepass.kernels.configs import (
     BUILTIN,
     M_BUCKETS,
@@ -76,8 +79,9 @@ BASE[4] = BASE[5] = BASE[6] = [
     _c(256, 128, 128, 8, 3), _c(128, 256, 64, 8, 4), _c(128, 128, 128, 4, 4),
 ]
 # From M <= 1024 up, the persistent kernel (persistent.py) as well, with the tiles whose
-# half-tile stores leave room for their stages (a run 19 probe: 256x128 and 128x256 with 4
-# stages won at M >= 4096; 128x128 with 4 warps at M = 1024). TMA loads only.
+# half-tile stores leave room for their stages (a run 19 probe: 256x128 with 4 stages won 5
+# of 9 points, 128x256 with 3 stages and whole-tile stores 2; 128x128 with 4 warps was the
+# best persistent config at M = 1024). TMA loads only.
 PERSISTENT = [Config(bm, bn, 128, group_m=8, num_warps=w, num_stages=st, tma=True, persistent=True)
               for bm, bn, w, st in ((256, 128, 8, 4), (128, 256, 8, 4), (128, 256, 8, 3), (128, 128, 4, 4))]
 PERSISTENT_MIN_BUCKET = M_BUCKETS.index(1024)
@@ -212,6 +216,9 @@ def search(bucket: int, N: int, K: int, grid: str, measure, log) -> dict:
     def trial(cfg: Config):
         cfg = fit(cfg, N, K)
         if cfg in results:
+            return
+        if cfg.persistent and persistent_stages(cfg, 2, torch.device("cuda")) != cfg:  # (bf16 out, as timed)
+            log(f"    skip {cfg}: launch would run it with fewer stages (shared memory)")
             return
         try:
             results[cfg] = measure(cfg)

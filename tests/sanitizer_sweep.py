@@ -17,8 +17,9 @@ from fusepass.kernels import launch_scaled_mm
 from fusepass.kernels.configs import Config
 from tests.helpers import assert_matches_oracle, make_problem
 
-# M: every bucket and its edges; N and K: below one block, ragged, multiples of the blocks.
-MS = [1, 7, 16, 17, 64, 65, 256, 257, 300]
+# M: every bucket and its edges (1100: the persistent kernel's buckets); N and K: below one
+# block, ragged, multiples of the blocks.
+MS = [1, 7, 16, 17, 64, 65, 256, 257, 300, 1100]
 NK = [(17, 33), (100, 17), (129, 128), (1000, 1001), (64, 256)]
 VARIANTS = [
     dict(dtype=torch.int8, sa_shape=(), sb_shape=()),
@@ -29,13 +30,15 @@ VARIANTS = [
     dict(azp="token", azp_dtype=torch.float32),
 ]
 # Main-loop paths the tuned table may pick, forced on every shape (the ops above take the
-# table's choice): TMA loads, split-K (its slices, tickets and last-program sum), both, and
-# wide tiles.
+# table's choice): TMA loads, split-K (its slices, tickets and last-program sum), both, wide
+# tiles, and the persistent kernel's TMA stores (persistent.py).
 PATHS = [
     Config(16, 64, 128, tma=True),
     Config(16, 32, 128, split_k=4),
     Config(64, 128, 128, split_k=2, tma=True),
     Config(128, 256, 64, num_warps=8, num_stages=4, tma=True),
+    Config(128, 128, 128, num_warps=4, num_stages=4, tma=True, persistent=True),
+    Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True),
 ]
 
 

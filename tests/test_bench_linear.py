@@ -78,6 +78,26 @@ def test_a_points_implementations_take_turns_and_report_their_medians(bench, mon
     assert bench.interleaved_us({}) == {}  # every implementation of the point failed
 
 
+def test_a_replay_that_fails_leaves_the_rotation(bench, monkeypatch):
+    monkeypatch.setattr(bench.time, "sleep", lambda s: None)
+
+    class Fake:
+        n_copies = 1
+
+        def __init__(self, fails):
+            self.fails, self.turns = fails, 0
+
+        def times_us(self, replays):
+            self.turns += 1
+            if self.fails:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+            return [10.0] * replays
+    logged, good, bad = [], Fake(False), Fake(True)
+    assert bench.interleaved_us({"good": good, "bad": bad}, logged.append) == {"good": 10.0, "bad": None}
+    assert (good.turns, bad.turns) == (bench.ROUNDS, 1)
+    assert logged == ["  bad: replay failed: CUDA error: an illegal memory access was encountered"]
+
+
 def test_int8_against_its_targets_and_the_fp8_peak(bench):
     rows = [{"M": M, "N": 4096, "K": 4096, "us": {"fusepass int8": us, "int8 torch.compile": 2 * us, "fp8 torch._scaled_mm": fp8}}
             for M, us, fp8 in ((1024, 40.0, 30.0), (4096, 100.0, 110.0), (16384, 400.0, 400.0))]

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from fusepass.kernels.launch import persistent_stages
 from tests.bench_scripts import load
 
 
@@ -116,7 +117,10 @@ def test_base_search_is_todays_procedure(tune, M):
         if family:
             tried |= {tune.replace(min(family, key=_fake_time), num_stages=s) for s in tune.STAGES}
     assert any(c.persistent for c in tried) == (M >= 1024)
-    assert set(results) == tried  # nothing more: no unsplit form where the split is kept
+    # never timed: persistent depths launch would cut to fit shared memory beside a bf16 store
+    cut = {c for c in tried if c.persistent and persistent_stages(c, 2, torch.device("cuda")) != c}
+    assert {c.num_stages for c in cut} <= {5}
+    assert set(results) == tried - cut  # nothing more: no unsplit form where the split is kept
 
 
 @pytest.mark.parametrize("M", [1, 16])
@@ -168,3 +172,17 @@ def test_grid_option(tune, monkeypatch):
     assert tune.main(["--grid", "wide"]) == 2  # parsed; then no GPU
     with pytest.raises(SystemExit):
         tune.main(["--grid", "widest"])
+
+
+def test_persistent_depths_that_would_not_fit_are_never_timed(tune):
+    # 256x128x128 at 5 stages: 240 KB of loads + a 32 KB bf16 store buffer > the H200's 227 KB;
+    # launch would cut it to 4 stages, so timing it would time the 4-stage kernel twice.
+    def measure(cfg):
+        wide = cfg.persistent and cfg.block_m == 256
+        return (1.0 + cfg.num_stages / 100) if wide else 100 + _fake_time(cfg)
+    logged = []
+    results = tune.search(tune.m_bucket(4096), 4096, 4096, "base", measure, logged.append)
+    wide = {c.num_stages for c in results if c.persistent and c.block_m == 256}
+    assert wide == {2, 3, 4}
+    assert [line for line in logged if "fewer stages" in line] == [
+        "    skip " + str(tune.replace(tune.PERSISTENT[0], num_stages=5)) + ": launch would run it with fewer stages (shared memory)"]

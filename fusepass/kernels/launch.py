@@ -234,9 +234,10 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     # Inductor gets no second alias of a tensor to clone.
     operands = (a, b, out, scale_a, scale_b, bias, azp_adj, azp)
     partial = tickets = None
-    if cfg.persistent and tma and cfg.split_k == 1 and _aligned(out, out.stride(0), fake):
-        cfg = persistent_stages(cfg, out.element_size(), a.device)
-        tiling["num_stages"] = cfg.num_stages
+    persistent = cfg.persistent and tma and cfg.split_k == 1 and _aligned(out, out.stride(0), fake)
+    fitted = persistent_stages(cfg, out.element_size(), a.device) if persistent else None
+    if fitted is not None:
+        tiling["num_stages"] = fitted.num_stages
         sms = sm_count(a.device)
         # Programs past the last tile find no tile: with a symbolic M, launch one per SM.
         grid = (min(sms, tiles) if is_concrete_int(tiles) else sms,)
@@ -264,23 +265,36 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     return out
 
 
-def persistent_stages(cfg: Config, out_size: int, device: torch.device) -> Config:
+def persistent_stages(cfg: Config, out_size: int, device: torch.device) -> Config | None:
     """``cfg`` with as many of its stages as fit the device's shared memory next to the
-    persistent kernel's half-tile store buffer, whose size the output's dtype sets: a 256x128
-    tile with 4 stages fits with a bf16 output (224 KB), not with an fp32 one (256 KB of the
-    H200's 227 KB; a torchao model's fp32 epilogue output hit it, run 19)."""
-    limit = shared_memory(device)
+    persistent kernel's half-tile store buffer, whose size the output's dtype sets (None where
+    2 stages do not fit: the tile kernel runs instead). A 256x128 tile with 4 stages fits with
+    a bf16 output (224 KB), not with an fp32 one (256 KB of the H200's 227 KB; a torchao
+    model's fp32 epilogue output hit it, run 19). Triton 3.6 took exactly this plus 32 bytes
+    of barriers there; SHARED_MEMORY_RESERVE covers those."""
+    limit = shared_memory(device) - SHARED_MEMORY_RESERVE
     store = cfg.block_m * (cfg.block_n // 2) * out_size
+
+    def size(stages):  # 8-bit operands: one byte an element
+        return stages * (cfg.block_m + cfg.block_n) * cfg.block_k + store
     stages = cfg.num_stages
-    while stages > 2 and stages * (cfg.block_m + cfg.block_n) * cfg.block_k + store > limit:
-        stages -= 1  # 8-bit operands: one byte an element
-    return replace(cfg, num_stages=stages)
+    while stages > 2 and size(stages) > limit:
+        stages -= 1
+    return replace(cfg, num_stages=stages) if size(stages) <= limit else None
+
+
+SHARED_MEMORY_RESERVE = 1024
+HOPPER_SHARED_MEMORY = 232448  # a program's opt-in limit on the H100 and H200
 
 
 def shared_memory(device: torch.device) -> float:
-    """Shared memory a program may take on ``device`` (no limit off CUDA: the interpreter)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    """Shared memory a program may take on ``device``: the device's own; Hopper's for a CUDA
+    device this process cannot see (fake tensors on a host without one); no limit elsewhere
+    (the interpreter)."""
+    if device.type != "cuda":
         return float("inf")
+    if not torch.cuda.is_available():
+        return HOPPER_SHARED_MEMORY
     return _shared_memory(torch.cuda.current_device() if device.index is None else device.index)
 
 

@@ -11,12 +11,14 @@ the tiles are walked and written:
   edge;
 - the epilogue runs on the accumulator in two halves along N (epilogue subtiling): each half's
   fp32 values and store buffer take half the registers and shared memory, which leaves room
-  for 4 stages of 256x128 tiles (one whole 256x128 or 128x256 store: out of shared memory).
+  for 4 stages of 256x128 tiles with a 2-byte output (whole-tile stores: out of shared
+  memory; an fp32 output gets 3, ``launch.persistent_stages``).
 
-Measured against the one-program-per-tile TMA kernel, int8, H200, bench_linear's protocol
-(benchmarks/NOTES.md, run 19): 1.02-1.10x at M >= 4096, 1.00x at M = 1024. The tuned table
-(``Config.persistent``) says where it runs; ``launch`` falls back to ``scaled_mm_kernel``
-where TMA cannot read the operands or write the output.
+A probe against the op's tuned one-program-per-tile configs, int8, H200, bench_linear's
+protocol (benchmarks/NOTES.md, run 19, step 5): the best persistent config 1.02-1.10x faster
+at M >= 4096, 0.99-1.01x at M = 1024. The tuned table (``Config.persistent``) says where it
+runs; ``launch`` falls back to ``scaled_mm_kernel`` where TMA cannot read the operands or
+write the output, or 2 stages do not fit.
 """
 
 from __future__ import annotations

@@ -87,9 +87,20 @@ def test_stages_fit_beside_the_store_buffer(monkeypatch):
     assert launch.persistent_stages(big, 4, torch.device("cuda")).num_stages == 3
     assert launch.persistent_stages(Config(128, 128, 128, num_stages=4, tma=True, persistent=True), 4,
                                     torch.device("cuda")).num_stages == 4
-    assert launch.persistent_stages(Config(256, 256, 256, num_stages=4), 4, torch.device("cuda")).num_stages == 2  # floor
+    assert launch.persistent_stages(Config(256, 256, 256, num_stages=4), 4, torch.device("cuda")) is None  # 2 don't fit
     monkeypatch.undo()
     assert launch.shared_memory(torch.device("cpu")) == float("inf")  # the interpreter: no limit
+    if not torch.cuda.is_available():  # fake CUDA tensors on this host: Hopper's limit
+        assert launch.shared_memory(torch.device("cuda")) == launch.HOPPER_SHARED_MEMORY
+
+
+def test_tiles_that_never_fit_run_on_the_tile_kernel(monkeypatch, launched):
+    monkeypatch.setattr(launch, "shared_memory", lambda device: 20000)
+    p = make_problem(33, 48, 64, device=DEVICE, bias_dtype=torch.float32)
+    cfg = Config(64, 64, 128, num_stages=3, tma=True, persistent=True)  # 2 stages: 32 KB + the store
+    out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, config=cfg)
+    assert launched == [scaled_mm_kernel]
+    assert_matches_oracle(out, p, torch.float32)
 
 
 @pytest.mark.gpu
