@@ -41,7 +41,7 @@ SHAPES = {
 }
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
 REPLAYS = 25
-ROUNDS = 5  # bench_point's implementations take turns: REPLAYS // ROUNDS replays a turn
+ROUNDS = 5  # bench_point's implementations take turns of ceil(REPLAYS / ROUNDS) replays
 # After each turn the GPU idles this many times the turn's length. Without it a turn ran at
 # the clocks its predecessor's power draw left: per-token azp 1.06-1.22x symmetric's time at 5
 # large-M points, 0.995-1.016x with REST = 1 and 0.991-1.017x with 3 (run 19, call 4).

@@ -43,7 +43,6 @@ import bench_linear
 from bench_linear import SHAPES, graph_time_us, make_inputs
 
 from fusepass.kernels import launch_scaled_mm
-from fusepass.kernels.launch import persistent_stages
 from fusepass.kernels.configs import (
     BUILTIN,
     M_BUCKETS,
@@ -56,6 +55,7 @@ from fusepass.kernels.configs import (
     pointer_loads_only,
     table_key,
 )
+from fusepass.kernels.launch import persistent_stages
 
 
 def _c(bm, bn, bk, warps, stages, group=8):
@@ -79,7 +79,7 @@ BASE[4] = BASE[5] = BASE[6] = [
     _c(256, 128, 128, 8, 3), _c(128, 256, 64, 8, 4), _c(128, 128, 128, 4, 4),
 ]
 # From M <= 1024 up, the persistent kernel (persistent.py) as well, with the tiles whose
-# half-tile stores leave room for their stages (a run 19 probe: 256x128 with 4 stages won 5
+# half-tile stores leave room for their stages (a run 19 probe: 256x128 with 4 stages won 6
 # of 9 points, 128x256 with 3 stages and whole-tile stores 2; 128x128 with 4 warps was the
 # best persistent config at M = 1024). TMA loads only.
 PERSISTENT = [Config(bm, bn, 128, group_m=8, num_warps=w, num_stages=st, tma=True, persistent=True)
