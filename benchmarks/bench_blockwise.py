@@ -10,8 +10,9 @@ torch.compile), the same path through the fusepass backend, and bf16 ``F.linear`
     TRITON_INTERPRET=1 python benchmarks/bench_blockwise.py --smoke --out /tmp/b   # CPU: one tiny shape
 
 Protocol (BENCHMARKS.md, with bench_linear.py's helpers): each implementation is captured in a
-CUDA graph of R calls over R rotating copies of its inputs (together > 3x L2: cold weights),
-replayed 25 times, median per call; with its floor (bytes over the measured read bandwidth, or
+CUDA graph of R calls over R rotating copies of its inputs (together > 3x L2: cold weights);
+a point's graphs are replayed in bench_linear's turns (5 rotating rounds of 5 replays, the
+GPU idle after each turn as long as it ran), median per call; with its floor (bytes over the measured read bandwidth, or
 2MNK over the measured fp8 peak). Before timing, every fp8 path's output is checked against an
 fp32 dequantized reference (relative Frobenius error, in the JSON as ``rel_err``). Writes
 ``benchmarks/results/<gpu>-<date>-blockwise-<shapes>.json`` and .png, prints a table and the
@@ -140,7 +141,7 @@ def floor_us(M: int, N: int, K: int, ceil: dict) -> dict:
 def bench_point(M, N, K, impls, device, ceil, l2_bytes, log) -> dict:
     g = torch.Generator(device=device).manual_seed(M * 7 + N + K)
     row = {"M": M, "N": N, "K": K, "us": {}, "rel_err": {}, "floor_us": floor_us(M, N, K, ceil) if ceil else None}
-    sets, ref = {}, None
+    sets, ref, graphs = {}, None, {}
     for name, (kind, fn) in impls.items():
         if kind not in sets:  # one set of rotating copies per input kind, shared by its paths
             per_call = (2 if kind == "bf16" else 1) * (M + N) * K  # bytes of a and w
@@ -158,11 +159,14 @@ def bench_point(M, N, K, impls, device, ceil, l2_bytes, log) -> dict:
             if ceil is None:
                 row["us"][name] = wall_time_us(fn, inputs[0])
             else:
-                row["us"][name] = bl.graph_time_us(lambda i: (lambda t=inputs[i]: fn(t)), len(inputs))
+                graphs[name] = bl.Graph(lambda i, inputs=inputs, fn=fn: (lambda t=inputs[i]: fn(t)), len(inputs))
         except Exception as e:  # reported, not fatal: the table says which path failed
             row["us"][name] = None
             log(f"  {name} at M={M} N={N} K={K} failed: {str(e).splitlines()[0][:120]}")
-    del sets, ref
+    if graphs:  # timed in turns, as bench_linear's points are (bench_linear.interleaved_us)
+        timed = bl.interleaved_us(graphs, log)
+        row["us"] = {name: timed[name] if name in timed else row["us"].get(name) for name in impls}
+    del sets, ref, graphs
     if device == "cuda":
         torch.cuda.empty_cache()
     return row

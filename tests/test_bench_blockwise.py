@@ -84,3 +84,36 @@ def test_summary_crossover_is_the_kernels(bench):
                          "M=1024: the Triton kernel alone 0.67x cuBLAS block-wise (min 0.67x, max 0.67x)"]
     assert lines[-1].startswith("fused faster than cuBLAS at every shape for every M up to 16 (on an sm90 GPU "
                                 f"the op runs cuBLAS's block-wise GEMM above M = {bench.CUBLAS_ABOVE_M};")
+
+
+def test_a_gpu_point_times_its_paths_in_turns(bench, monkeypatch):
+    # The CUDA-graph path on a CPU: a stand-in graph runs its calls once (each path's check
+    # ran before it) and reports made-up times; every path is timed by interleaved_us.
+    class FakeGraph:
+        def __init__(self, make_call, n_copies):
+            self.n_copies, self.us = n_copies, 10.0 * (len(made) + 1)
+            made.append(self)
+            make_call(0)()
+
+        def times_us(self, replays):
+            return [self.us] * replays
+    made, turns, real = [], [], bench.bl.interleaved_us
+
+    def interleaved(graphs, log):
+        turns.append(list(graphs))
+        return real(graphs, log)
+    monkeypatch.setattr(bench.bl, "Graph", FakeGraph)
+    monkeypatch.setattr(bench.bl, "interleaved_us", interleaved)
+    monkeypatch.setattr(bench.bl.time, "sleep", lambda s: None)
+    ceil = {"read_TBps": 4.0, "fp8_TFLOPS": 1400.0, "int8_TOPS": 950.0, "bf16_TFLOPS": 780.0}
+    impls = bench.implementations(False, "cpu")
+    logged = []
+    row = bench.bench_point(4, 200, 300, impls, "cpu", ceil, 0, logged.append)
+    assert list(row["us"]) == list(impls)  # the table's column order
+    timed = [name for name in impls if row["us"][name] is not None]
+    assert turns == [timed] and len(made) == len(timed)
+    assert {"bf16 F.linear", "fp8 dequant + bf16 eager", "fusepass blockwise"} <= set(timed)
+    assert [row["us"][name] for name in timed] == [g.us for g in made]
+    # CPU _scaled_mm has no block-wise mode: that path failed its check, untimed, reported
+    assert row["us"]["fp8 torch._scaled_mm block-wise"] is None
+    assert any("fp8 torch._scaled_mm block-wise at M=4 N=200 K=300 failed" in line for line in logged)
