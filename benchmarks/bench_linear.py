@@ -84,8 +84,13 @@ def graph_time_us(make_call, n_copies: int) -> float:
     """Median us per call of a CUDA graph of ``n_copies`` calls (call i uses copy i), REPLAYS
     replays; then the GPU idles REST times as long, so the next timing starts from rest."""
     times = Graph(make_call, n_copies).times_us(REPLAYS)
-    time.sleep(REST * sum(times) * n_copies / 1e6)
+    _rest(times, n_copies)
     return statistics.median(times)
+
+
+def _rest(times: list[float], n_copies: int) -> None:
+    """Idle the GPU REST times as long as replays of ``n_copies`` calls taking ``times`` us a call ran."""
+    time.sleep(REST * sum(times) * n_copies / 1e6)
 
 
 def interleaved_us(graphs: dict, log=print) -> dict:
@@ -110,7 +115,7 @@ def interleaved_us(graphs: dict, log=print) -> dict:
                 times[name] = None
                 continue
             times[name] += turn
-            time.sleep(REST * sum(turn) * graphs[name].n_copies / 1e6)
+            _rest(turn, graphs[name].n_copies)
     return {name: None if t is None else statistics.median(t) for name, t in times.items()}
 
 

@@ -82,7 +82,7 @@ BASE[4] = BASE[5] = BASE[6] = [
 # half-tile stores leave room for their stages (a run 19 probe: 256x128 with 4 stages won 6
 # of 9 points, 128x256 with 3 stages and whole-tile stores 2; 128x128 with 4 warps was the
 # best persistent config at M = 1024). TMA loads only.
-PERSISTENT = [Config(bm, bn, 128, group_m=8, num_warps=w, num_stages=st, tma=True, persistent=True)
+PERSISTENT = [replace(_c(bm, bn, 128, w, st), tma=True, persistent=True)
               for bm, bn, w, st in ((256, 128, 8, 4), (128, 256, 8, 4), (128, 256, 8, 3), (128, 128, 4, 4))]
 PERSISTENT_MIN_BUCKET = M_BUCKETS.index(1024)
 SPLITS = (2, 4, 8)

@@ -128,16 +128,23 @@ def device_arch(device: torch.device) -> str | None:
     return f"sm{major}{minor}"
 
 
-def sm_count(device: torch.device | None) -> int:
-    """Streaming multiprocessors of a CUDA device ("cuda" alone: the current one); DEFAULT_SMS elsewhere."""
+def device_properties(device: torch.device | None):
+    """The properties of a CUDA device this process can see ("cuda" alone: the current one);
+    None elsewhere (the interpreter, or fake CUDA tensors on a host without a GPU)."""
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
-        return DEFAULT_SMS
-    return _sm_count(torch.cuda.current_device() if device.index is None else device.index)
+        return None
+    return _properties(torch.cuda.current_device() if device.index is None else device.index)
 
 
 @functools.lru_cache(maxsize=None)  # on every launch: ask the driver once per device
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties(index: int):
+    return torch.cuda.get_device_properties(index)
+
+
+def sm_count(device: torch.device | None) -> int:
+    """Streaming multiprocessors of a CUDA device; DEFAULT_SMS where ``device_properties`` has none."""
+    props = device_properties(device)
+    return DEFAULT_SMS if props is None else props.multi_processor_count
 
 
 def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.int8, device=None, azp: bool = False,

@@ -16,7 +16,6 @@ compiled graph runs each M on its own bucket's tiles (a host-side ``if`` in the 
 
 from __future__ import annotations
 
-import functools
 from contextvars import ContextVar
 from dataclasses import replace
 
@@ -25,7 +24,7 @@ import triton
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from .configs import Config, bucket_choices, cdiv, device_arch, select_config, sm_count
+from .configs import Config, bucket_choices, cdiv, device_arch, device_properties, select_config, sm_count
 from .direct import launcher, record, record_call, split_scratch
 from .persistent import scaled_mm_persistent_kernel
 from .scaled_mm import scaled_mm_kernel
@@ -293,14 +292,8 @@ def shared_memory(device: torch.device) -> float:
     (the interpreter)."""
     if device.type != "cuda":
         return float("inf")
-    if not torch.cuda.is_available():
-        return HOPPER_SHARED_MEMORY
-    return _shared_memory(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    props = device_properties(device)
+    return HOPPER_SHARED_MEMORY if props is None else props.shared_memory_per_block_optin
 
 
 def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device, fake: bool):

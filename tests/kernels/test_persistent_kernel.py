@@ -65,13 +65,19 @@ def test_persistent_kernel_raw_accumulator_is_exact(sms, launched):
     assert torch.equal(acc.double(), p.a.double() @ p.b.double())
 
 
-@pytest.mark.parametrize("case", ["output_rows", "operand_rows", "split", "no_tma"])
+# TMA cannot write 12 bf16 (24 bytes) rows, nor read 40-byte ones; a split and pointer loads
+# are scaled_mm_kernel's alone. The same tiles run there. (N, K, config)
+FALLBACKS = {
+    "output_rows": (12, 64, PERSISTENT),
+    "operand_rows": (48, 40, PERSISTENT),
+    "split": (48, 64, Config(16, 32, 32, split_k=2, tma=True, persistent=True)),
+    "no_tma": (48, 64, Config(16, 32, 32, persistent=True)),
+}
+
+
+@pytest.mark.parametrize("case", FALLBACKS)
 def test_falls_back_to_the_tile_kernel(case, launched):
-    # TMA cannot write 12 bf16 (24 bytes) rows, nor read 40-byte ones; a split and pointer
-    # loads are scaled_mm_kernel's alone. The same tiles run there.
-    N, K, cfg = (12, 64, PERSISTENT) if case == "output_rows" else (48, 40, PERSISTENT) if case == "operand_rows" \
-        else (48, 64, Config(16, 32, 32, split_k=2, tma=True, persistent=True)) if case == "split" \
-        else (48, 64, Config(16, 32, 32, persistent=True))
+    N, K, cfg = FALLBACKS[case]
     p = make_problem(33, N, K, device=DEVICE, bias_dtype=torch.float32)
     out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.bfloat16, p.bias, config=cfg)
     assert launched == [scaled_mm_kernel]
