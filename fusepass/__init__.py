@@ -5,21 +5,26 @@ Three ways in: ``torch.compile(model, backend="fusepass")``;
 ``fusepass.scaled_mm`` / ``fusepass.scaled_mm_azp`` / ``fusepass.scaled_mm_blockwise`` /
 ``fusepass.scaled_mm_group``
 (``torch.ops.fusepass.*``).
-``fusepass.explain(model, *inputs)`` reports what the pass fuses and why not.
+``fusepass.explain(model, *inputs)`` reports what the pass fuses and why not;
+``fusepass.prepare(model)`` turns a quantized model's tensor-subclass weights into plain ones, once.
 """
 
 from .backend import fusepass_backend, inductor_options
 from .explain import Report, explain
+from .integrations import Preparation, W8A8Linear, prepare
 from .ops import int_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise, scaled_mm_group
 from .passes import FusePass, PassConfig
 
 __all__ = [
     "FusePass",
     "PassConfig",
+    "Preparation",
     "Report",
+    "W8A8Linear",
     "explain",
     "fusepass_backend",
     "inductor_options",
+    "prepare",
     "int_mm",
     "scaled_mm",
     "scaled_mm_azp",

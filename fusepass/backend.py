@@ -148,3 +148,20 @@ def capture_backend(on_graph):
         return gm.forward
 
     return aot_autograd(fw_compiler=forward_compiler, decompositions=select_decomp_table())
+
+
+def _register_name() -> None:
+    """``backend="fusepass"`` from a source tree too (on ``PYTHONPATH``, no pip install):
+    where no installed distribution declares the ``torch_dynamo_backends`` entry point (which
+    finds the backend without an import), register the name on import. Not where one does:
+    loading the entry point imports this module, and torch then registers the name itself
+    (a second registration is an error there)."""
+    from importlib.metadata import entry_points
+
+    if entry_points(group="torch_dynamo_backends", name="fusepass"):
+        return
+    if "fusepass" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(fusepass_backend, name="fusepass")
+
+
+_register_name()

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -24,6 +25,7 @@ from torch._inductor.virtualized import V
 from ..kernels.launch import decode_splits
 from .graph import Rejected, aten, location, module_path
 from .group import NAME as GROUPED, group_siblings
+from .join import NAME as JOINED, join_siblings
 from .lower import lower
 from .patterns import PATTERNS
 from .rewrite import emit
@@ -43,6 +45,11 @@ _SOURCES = tuple(sorted(
 # replays them on a hit, when the pass does not run: each rewrite is counted there too,
 # as "fusepass.<name>", so that the backend can restore counters["fusepass"] from it.
 INDUCTOR_PREFIX = "fusepass."
+
+
+# Ops a model may call itself, reported by explain as fused (pattern "explicit").
+EXPLICIT = (torch.ops.fusepass.scaled_mm.default, torch.ops.fusepass.scaled_mm_azp.default)
+EXPLICIT_NAME = "explicit"
 
 
 def count(name: str) -> None:
@@ -68,6 +75,9 @@ class PassConfig:
     # run as one scaled_mm_group launch (passes/group.py), where decode launches do not split
     # K (outside CUDA graphs); 0 turns grouping off.
     group_max_m: int = 16
+    # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
+    # buffers) run as one matmul over their union (passes/join.py), at every M.
+    join_siblings: bool = True
 
     def __post_init__(self):
         unknown = set(self.patterns) - set(PATTERNS)
@@ -120,7 +130,8 @@ class FusePass(CustomGraphPass):
             graph.lint()
 
     def run(self, graph: fx.Graph) -> list[Decision]:
-        decisions = []
+        # fusepass ops the model calls itself (fusepass.prepare's linears) are fused already
+        decisions = [self._explicit(node) for op in EXPLICIT for node in graph.find_nodes(op="call_function", target=op)]
         for node in list(graph.nodes):
             if getattr(node, "_erased", False) or node.op != "call_function":
                 continue
@@ -129,6 +140,10 @@ class FusePass(CustomGraphPass):
                 if d is not None:  # the first pattern that recognizes the matmul decides
                     decisions.append(d)
                     break
+        joined = self.config.join_siblings and join_siblings(graph)
+        for names in joined or ():
+            count(JOINED)
+            log.debug("fusepass: %s run as one matmul over their shared weight buffer", ", ".join(names))
         # Not where decode launches split K (inside Inductor's CUDA graphs, or where the caller
         # captures): the group has no split, and there the members' tuned splits fill the GPU.
         if self.config.group_max_m > 0 and not (self.config.split_k_outside_cuda_graphs
@@ -136,10 +151,15 @@ class FusePass(CustomGraphPass):
             for names in group_siblings(graph, self.config.group_max_m):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
-        if any(d.fused or d.rerouted for d in decisions):
+        if joined or any((d.fused and d.pattern != EXPLICIT_NAME) or d.rerouted for d in decisions):
             graph.eliminate_dead_code()
             graph.lint()
         return decisions
+
+    @staticmethod
+    def _explicit(node: fx.Node) -> Decision:
+        name = str(node.target).replace(".default", "")
+        return Decision(node.name, module_path(node), name, _describe(node), location(node), EXPLICIT_NAME, name)
 
     def _try(self, graph: fx.Graph, node: fx.Node, pattern) -> Decision | None:
         target = str(node.target).replace(".default", "")

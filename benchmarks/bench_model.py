@@ -1,0 +1,311 @@
+"""A whole model, as a user runs it: step time, GPU kernel time and compile time per cell.
+
+    python benchmarks/bench_model.py                                  # Llama-3-8B's full size
+    python benchmarks/bench_model.py --layers 8,16,32 --variants bf16,int8 --steps b1
+    python benchmarks/bench_model.py --report results/model.json --plot results/model.png
+
+The model is the demo's random transformers ``LlamaForCausalLM`` (``fusepass/demo/models.py``)
+at Llama-3-8B's size (32 layers, hidden 4096, intermediate 14336, 32/8 heads, vocab 128256),
+``--layers`` deep, lm_head in bf16. Variants (``VARIANTS``): bf16 under stock
+``torch.compile``; torchao's W8A8 under stock ``torch.compile``; torchao's W8A8 through
+``fusepass.prepare`` and ``backend="fusepass"``; the same without ``prepare``; the
+hand-written form (``demo/handwritten.py``) under fusepass. Steps: prefill of ``--prefill``
+tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64 against a
+``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``).
+
+Per cell (variant, mode, step), each compiled afresh with ``dynamic=False``:
+- ``compile_s``: the first call (compile and run), wall time;
+- ``step_ms``: the median of ``--calls`` calls after 5, CUDA events around each call (host time
+  included, as a user's loop sees it);
+- ``kernel_ms`` and ``kernels``: the GPU kernels' time and count per call (``torch.profiler``,
+  over 5 calls), and ``gap_ms`` = ``step_ms - kernel_ms``: the time the GPU waits on the host.
+
+Each run appends its rows to ``--out`` (one JSON list, a ``run`` id per process), so a full table
+can be built over several calls; ratios are only ever taken within one run (one process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fusepass  # noqa: E402
+from fusepass.demo import models  # noqa: E402
+
+FULL = models.Sizes(32, 4096, 14336, 32, 8, 128256)  # Llama-3-8B
+# name: (quantization, quantizer, backend, prepare)
+VARIANTS = {
+    "bf16": (None, None, "inductor", False),
+    "int8-stock": ("int8", "torchao", "inductor", False),
+    "fp8-stock": ("fp8", "torchao", "inductor", False),
+    "int8": ("int8", "torchao", "fusepass", True),
+    "int8-asym": ("int8-asym", "torchao", "fusepass", True),
+    "fp8": ("fp8", "torchao", "fusepass", True),
+    "int8-unprepared": ("int8", "torchao", "fusepass", False),
+    "int8-handwritten": ("int8", "handwritten", "fusepass", False),
+}
+MODES = {"default": None, "graphs": "reduce-overhead"}
+STEPS = ("prefill", "b1", "b16", "b64")
+
+
+def _csv(text: str, known, what: str) -> list:
+    items = [x for x in text.split(",") if x]
+    unknown = [x for x in items if x not in known]
+    if unknown or not items:
+        raise SystemExit(f"bench_model: {what}: unknown {unknown or text!r}; known: {', '.join(map(str, known))}")
+    return items
+
+
+def build(variant: str, base, log=print):
+    """The model of ``variant`` from the bf16 ``base`` (a copy; lm_head kept bf16)."""
+    quant, quantizer, _, prep = VARIANTS[variant]
+    if quant is None:
+        return base
+    head = base.lm_head
+    base.lm_head = torch.nn.Identity()  # (not copied, not quantized)
+    try:
+        model = models.quantized_copy(base, quant, quantizer)
+    finally:
+        base.lm_head = head
+    model.lm_head = head
+    if prep:
+        log(str(fusepass.prepare(model)))
+    return model
+
+
+def _compiled(model, variant: str, mode: str):
+    backend = VARIANTS[variant][2]
+    return torch.compile(model, backend=backend, mode=MODES[mode], dynamic=False)
+
+
+def _call(fn, model, step: str, ids, cache_len: int):
+    if step == "prefill":
+        inputs = models.prefill_inputs(ids[:1])
+        return lambda: fn(**inputs)
+    batch = int(step[1:])
+    cache = models.static_cache(model, batch, cache_len)
+    inputs = models.decode_inputs(ids[:batch], cache)
+    return lambda: fn(**inputs)
+
+
+def _timed(call, graphs: bool) -> float:
+    """ms of one call: CUDA events around it (host time included), or on a CPU the wall time."""
+    if graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+    if not torch.cuda.is_available():
+        t = time.perf_counter()
+        call()
+        return (time.perf_counter() - t) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _profiled(call, graphs: bool, calls: int = 5) -> tuple[float, float]:
+    """(GPU kernel ms, kernels) per call, over ``calls`` calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / 1e3 / calls, len(kernels) / calls
+
+
+def cell(model, variant: str, mode: str, step: str, ids, cache_len: int, calls: int) -> dict:
+    torch._dynamo.reset()
+    fn = _compiled(model, variant, mode)
+    call = _call(fn, model, step, ids, cache_len)
+    graphs = mode == "graphs"
+    row = {"variant": variant, "mode": mode, "step": step}
+    try:
+        with torch.no_grad():
+            t = time.perf_counter()
+            _timed(call, graphs)
+            row["compile_s"] = round(time.perf_counter() - t, 1)
+            for _ in range(5):
+                _timed(call, graphs)
+            # (decode: calls + 5 + 5 + 1 steps fill fewer than cache_len slots)
+            row["step_ms"] = round(statistics.median(_timed(call, graphs) for _ in range(calls)), 3)
+            if not torch.cuda.is_available():
+                return row
+            kernel_ms, kernels = _profiled(call, graphs)
+    except Exception as e:  # noqa: BLE001  e.g. torch._int_mm needs M > 16 on CUDA
+        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        return row
+    row.update(kernel_ms=round(kernel_ms, 3), kernels=round(kernels, 1), gap_ms=round(row["step_ms"] - kernel_ms, 3))
+    return row
+
+
+def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
+        cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, log=print) -> list[dict]:
+    """Time every (depth, variant, mode, step) cell; ``sizes``: the model's but for its depth.
+    On a CPU (tests: a small ``sizes``) cells have wall times only."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__}
+    rows = []
+    for depth in layers:
+        sizes = dataclasses.replace(sizes, layers=depth)
+        rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log)
+    return rows
+
+
+def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log) -> list[dict]:
+    with models.quiet_imports(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = models.random_llama(sizes, max(cache_len, prefill), device, 0)
+        ids = models.prompt(base, 64, prefill, 0)
+        rows = []
+        for variant in variants:
+            t = time.perf_counter()
+            model = build(variant, base, log)
+            log(f"[{sizes.layers} layers] {variant}: built in {time.perf_counter() - t:.1f} s")
+            for mode in modes:
+                for step in steps:
+                    row = {**meta, "layers": sizes.layers, **cell(model, variant, mode, step, ids, cache_len, calls)}
+                    rows.append(row)
+                    log(f"[{sizes.layers} layers] {variant} {mode} {step}: {_line(row)}")
+                    if out:
+                        append(out, [row])
+            if model is not base:
+                del model
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _line(row: dict) -> str:
+    if "error" in row:
+        return row["error"]
+    kernels = f" (kernels {row['kernel_ms']:.3f} ms, {row['kernels']:.0f}; gap {row['gap_ms']:.3f})" if "kernels" in row else ""
+    return f"{row['step_ms']:.3f} ms{kernels}, compile {row['compile_s']} s"
+
+
+def append(path: str, rows: list[dict]) -> None:
+    """Add ``rows`` to the JSON list at ``path`` (created if missing)."""
+    old = load(path) if os.path.exists(path) else []
+    with open(path, "w") as f:
+        json.dump(old + rows, f, indent=1)
+
+
+def load(path: str) -> list[dict]:
+    with open(path) as f:
+        rows = json.load(f)
+    if not isinstance(rows, list):
+        raise SystemExit(f"bench_model: {path} is not a results list")
+    return rows
+
+
+def report(rows: list[dict]) -> str:
+    """A markdown table per depth: each cell's step ms and its ratio to bf16's in the same run
+    (same mode and step), GPU kernel ms, the gap, and the compile time."""
+    bf16 = {(r["run"], r["layers"], r["mode"], r["step"]): r["step_ms"] for r in rows
+            if r["variant"] == "bf16" and "step_ms" in r}
+    lines = []
+    for depth in sorted({r["layers"] for r in rows}):
+        lines += [f"\n{depth} layers ({', '.join(sorted({r['gpu'] for r in rows if r['layers'] == depth}))})",
+                  "| variant | mode | step | step ms | vs bf16 | kernel ms | kernels | gap ms | compile s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in [r for r in rows if r["layers"] == depth]:
+            if "error" in r:
+                lines.append(f"| {r['variant']} | {r['mode']} | {r['step']} | fails: {r['error']} | | | | | |")
+                continue
+            base = bf16.get((r["run"], r["layers"], r["mode"], r["step"]))
+            ratio = f"{base / r['step_ms']:.2f}x" if base and r["variant"] != "bf16" else ""
+            gpu = [f"{r[k]:{f}}" if k in r else "" for k, f in (("kernel_ms", ".3f"), ("kernels", ".0f"), ("gap_ms", ".3f"))]
+            lines.append(f"| {r['variant']} | {r['mode']} | {r['step']} | {r['step_ms']:.3f} | {ratio} | "
+                         f"{' | '.join(gpu)} | {r['compile_s']} |")
+    return "\n".join(lines).strip()
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Step time against bf16's (same run, mode and step), one panel per depth."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bf16 = {(r["run"], r["layers"], r["mode"], r["step"]): r["step_ms"] for r in rows
+            if r["variant"] == "bf16" and "step_ms" in r}
+    depths = sorted({r["layers"] for r in rows})
+    fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4), squeeze=False)
+    for ax, depth in zip(axes[0], depths, strict=True):
+        cells = [(f"{r['step']}\n{r['mode']}", r["variant"], bf16[k] / r["step_ms"])
+                 for r in rows if r["layers"] == depth and "step_ms" in r and r["variant"] != "bf16"
+                 and (k := (r["run"], r["layers"], r["mode"], r["step"])) in bf16]
+        labels = list(dict.fromkeys(c[0] for c in cells))
+        names = list(dict.fromkeys(c[1] for c in cells))
+        width = 0.8 / max(len(names), 1)
+        for i, name in enumerate(names):
+            xs = [labels.index(c[0]) + i * width for c in cells if c[1] == name]
+            ax.bar(xs, [c[2] for c in cells if c[1] == name], width, label=name)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=8)
+        ax.set_title(f"{depth} layers: speed vs bf16 (higher is better)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", default="32", help="comma list of depths (Llama-3-8B's layers each)")
+    ap.add_argument("--variants", default="bf16,fp8-stock,int8,int8-asym,fp8,int8-handwritten",
+                    help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--modes", default="default,graphs", help="comma list of default, graphs")
+    ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
+    ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens")
+    ap.add_argument("--cache", type=int, default=1024, help="StaticCache slots of a decode step")
+    ap.add_argument("--calls", type=int, default=20, help="timed calls per cell (median)")
+    ap.add_argument("--out", default=None, help="append the rows to this JSON list")
+    ap.add_argument("--report", default=None, help="print the tables of this JSON list (no run)")
+    ap.add_argument("--plot", default=None, help="with --report: also plot it to this PNG")
+    args = ap.parse_args(argv)
+    if args.report:
+        rows = load(args.report)
+        print(report(rows))
+        if args.plot:
+            plot(rows, args.plot)
+        return 0
+    try:
+        layers = [int(x) for x in args.layers.split(",")]
+    except ValueError:
+        ap.error(f"--layers: not a comma list of integers: {args.layers!r}")
+    if min(layers) < 1 or min(args.prefill, args.cache, args.calls) < 1:
+        ap.error("--layers, --prefill, --cache and --calls must be >= 1")
+    variants = _csv(args.variants, VARIANTS, "--variants")
+    modes = _csv(args.modes, MODES, "--modes")
+    steps = _csv(args.steps, STEPS, "--steps")
+    if not torch.cuda.is_available() and ("graphs" in modes or {"fp8", "fp8-stock"} & set(variants)):
+        ap.error("CUDA graphs and the fp8 variants need a CUDA GPU")
+    if args.calls + 11 > args.cache:
+        ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps")
+    rows = run(layers, variants, modes, steps, prefill=args.prefill, cache_len=args.cache, calls=args.calls,
+               out=args.out)
+    print(report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""``W8A8Linear``: a quantized linear held in plain tensors, whose forward calls fusepass's ops.
+
+What ``fusepass.prepare`` turns a quantized model's linears into (``prepare.py``). The weights
+stay the checkpoint's own int8 / fp8 values and scales; the activation is quantized per token
+in the forward, as the source format prescribes (its ``Act``), then one ``fusepass.scaled_mm``
+(or ``scaled_mm_azp``) call does the matmul and its whole epilogue. The forward runs in eager
+(the ops' CPU reference or CUDA kernels) and under any ``torch.compile`` backend.
+
+Sibling linears of one parent module with the same input width and scheme (a Llama
+attention's q/k/v/o, an MLP's gate/up) keep their weights in one ``Joint`` buffer each, rows
+in the children's order; each child reads its row range. Eager, that is the same matmul as
+before; compiled with ``backend="fusepass"``, calls on one activation whose ranges touch
+become one matmul over the union (``fusepass/passes/join.py``): q/k/v are one launch of
+N = 6144 at Llama-3-8B's size instead of three, two of which (k and v, 4 MB each) were too
+small to reach the memory bandwidth alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+# float32's eps: torchao's floor for a per-token scale (an all-zero row quantizes to zeros)
+SCALE_EPS = torch.finfo(torch.float32).eps
+
+
+@dataclass(frozen=True)
+class Act:
+    """How the forward quantizes its input, per token (row of the flattened input):
+
+    - ``int8``: symmetric, ``scale = amax / divisor`` (torchao and compressed-tensors divide
+      by 127.5: the range [-128, 127] spans 255 steps);
+    - ``int8-asym``: ``scale = (max(hi, 0) - min(lo, 0)) / 255`` and a zero point;
+    - ``fp8``: e4m3, ``scale = amax / 448``, amax at least ``floor``.
+    """
+
+    kind: str
+    divisor: float = 127.5
+    floor: float = SCALE_EPS
+
+    KINDS = ("int8", "int8-asym", "fp8")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"Act.kind must be one of {self.KINDS}, got {self.kind!r}")
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.kind == "fp8" else torch.int8
+
+
+def quantize_rows(x: torch.Tensor, act: Act):
+    """``x`` (M, K) quantized per row: (q (M, K), scale (M, 1) fp32, zero point (M,) int32
+    or None). Computed in fp32 whatever ``x``'s dtype."""
+    xf = x.float()
+    if act.kind == "int8-asym":
+        lo, hi = xf.aminmax(dim=-1, keepdim=True)
+        lo, hi = lo.clamp(max=0), hi.clamp(min=0)  # (the range holds 0: zero stays exact)
+        scale = ((hi - lo) / 255).clamp(min=SCALE_EPS)
+        zp = (-128 - (lo / scale).round()).clamp(-128, 127)
+        q = ((xf / scale).round() + zp).clamp(-128, 127).to(torch.int8)
+        return q, scale, zp.to(torch.int32).reshape(-1)
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    if act.kind == "fp8":
+        scale = amax.clamp(min=act.floor) / 448.0
+        return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None
+    scale = (amax / act.divisor).clamp(min=SCALE_EPS)
+    return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale, None
+
+
+class Joint(nn.Module):
+    """The weights of one or more sibling linears, rows in order:
+    ``weight`` (N, K) int8 / fp8, ``weight_scale`` (N,) fp32, ``colsum`` (N,) int32 (the
+    weight's row sums, for asymmetric activations) and ``bias`` (N,), each or None."""
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale)
+        self.register_buffer("colsum", colsum)
+        self.register_buffer("bias", bias)
+
+
+class W8A8Linear(nn.Module):
+    """Rows ``[lo, hi)`` of ``joint``, applied as a linear layer with activations quantized
+    per token by ``act``."""
+
+    def __init__(self, joint: Joint, lo: int, hi: int, act: Act):
+        super().__init__()
+        self.joint = joint  # (shared by the siblings: one graph input for all of them)
+        self.lo, self.hi, self.act = lo, hi, act
+        self.in_features, self.out_features = joint.weight.shape[1], hi - lo
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        j, lo, hi = self.joint, self.lo, self.hi
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        q, scale, zp = quantize_rows(x2, self.act)
+        w = j.weight[lo:hi].t()  # (K, N), column-major
+        bias = None if j.bias is None else j.bias[lo:hi]
+        if torch.compiler.is_compiling():
+            return self._dequantized(q, scale, zp, w, bias, x.dtype).reshape(*x.shape[:-1], hi - lo)
+        if zp is None:
+            y = torch.ops.fusepass.scaled_mm(q, w, scale, j.weight_scale[lo:hi], x.dtype, bias)
+        else:
+            y = torch.ops.fusepass.scaled_mm_azp(q, w, scale, j.weight_scale[lo:hi], x.dtype,
+                                                 j.colsum[lo:hi], zp, bias)
+        return y.reshape(*x.shape[:-1], hi - lo)
+
+    def _dequantized(self, q, scale, zp, w, bias, dtype):
+        """The same product in plain ATen ops: what a compiler sees. Under torch.compile the
+        fusepass ops would be traced into their implementations (they are ``triton_op``s);
+        these forms instead are patterns the pass turns back into one op call with exact
+        integer (or fp8) products, and which ``passes/join.py`` can join with its siblings':
+
+        - symmetric: a float matmul of the dequantized operands (pattern 8), which another
+          backend computes as written (correct, without the fused kernels);
+        - asymmetric: ``_int_mm`` and the zero-point correction with the stored row sums
+          (pattern 5). As a float matmul the pass would sum the weight's columns in the
+          graph, a second read of the weight on every call. Another backend on CUDA needs
+          M > 16 for ``_int_mm`` there."""
+        j = self.joint
+        ws = j.weight_scale[self.lo:self.hi]
+        if zp is None:
+            y = (q.float() * scale) @ (w.float() * ws)
+        else:
+            acc = torch._int_mm(q, w) - zp.unsqueeze(1) * j.colsum[self.lo:self.hi].unsqueeze(0)
+            y = acc.float() * scale * ws
+        return (y if bias is None else y + bias).to(dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, act={self.act.kind}, "
+                f"rows=[{self.lo}, {self.hi}) of {self.joint.weight.shape[0]}")

@@ -1,0 +1,151 @@
+"""Join sibling fused matmuls over touching row ranges of one weight buffer into one matmul.
+
+Matches: 2 or more ``fusepass.scaled_mm`` (or ``scaled_mm_azp``) calls on the same activation
+value (and activation scale, and zero point) whose weight is
+``W[lo:hi].t()`` and whose per-column operands (weight scale; row sums and bias where
+present) are ``X[lo:hi]`` of one buffer each, with the same ``lo:hi`` per call, and whose
+ranges touch (one call's ``hi`` is the next one's ``lo``). This is what the siblings that
+``fusepass.prepare`` puts in one buffer compute (``integrations/linear.py``): a Llama
+layer's q, k and v, its gate and up.
+
+Becomes: one call over ``W[lo_first:hi_last]``, each member's users reading its columns of
+the result (``out[:, lo - lo_first:hi - lo_first]``, a view). Any M, static or symbolic.
+Where the members' ``out_dtype`` differ (the epilogue walk keeps a gate projection's output
+in fp32 for the SiLU after it, and its sibling's in bf16), the joined call writes fp32 and the
+others' columns are rounded to theirs after it: no member loses precision.
+
+Why: one launch instead of 2-3, and a wider one: k and v (4 MB each at Llama-3-8B's size)
+alone could not reach the memory bandwidth at decode sizes; as part of q/k/v's 24 MB they do.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._inductor.pattern_matcher import stable_topological_sort
+
+from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
+from .graph import VIEW_OPS, Inserter, aten, is_call, prims, tensor_val
+from .group import _independent, value_ids
+
+fusepass = torch.ops.fusepass
+NAME = "joined_siblings"
+# Per op: the positions of the arguments cut along N (all but the weight: 1-D X[lo:hi]);
+# the others are shared by the members.
+_ROWS = {
+    fusepass.scaled_mm.default: (3, 5),  # scale_b, bias
+    fusepass.scaled_mm_azp.default: (3, 5, 7),  # scale_b, azp_adj, bias
+}
+
+
+_OUT_DTYPE = 4  # (the position of out_dtype in both ops' schemas)
+
+
+def _rows(node) -> tuple[fx.Node, int, int] | None:
+    """(X, lo, hi) where ``node`` is ``X[lo:hi]`` (a step-1 slice of dim 0, static bounds)."""
+    if node is None or not is_call(node, aten.slice.Tensor):
+        return None
+    base, dim, lo, hi, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    size = tensor_val(base).shape[0]
+    lo, hi = lo or 0, size if hi is None else hi
+    if dim != 0 or step != 1 or not all(isinstance(v, int) for v in (lo, hi, size)) or lo < 0:
+        return None
+    return base, lo, min(hi, size)
+
+
+def _peel_views(node):
+    """The 1-D tensor that ``node`` (1-D) is a reshape of, through views and unsqueezes."""
+    while is_call(node, *VIEW_OPS, aten.unsqueeze.default, aten.squeeze.dim) and tensor_val(node.args[0]).dim() <= 2:
+        node = node.args[0]
+    return node if tensor_val(node).dim() == 1 else None
+
+
+def _weight_rows(b) -> tuple[fx.Node, int, int] | None:
+    """(W, lo, hi) where ``b`` is ``W[lo:hi].t()`` (``t``, or a [1, 0] ``permute``)."""
+    if is_call(b, aten.t.default) or (is_call(b, aten.permute.default) and list(b.args[1]) == [1, 0]):
+        return _rows(b.args[0])
+    return None
+
+
+def _args(node: fx.Node) -> list:
+    schema = node.target._schema
+    given = list(node.args)
+    return given + [node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(given):]]
+
+
+def _member(node: fx.Node, ids: dict):
+    """(key, lo, hi) of a call that can join others, or None."""
+    args = _args(node)
+    if tensor_val(args[1]).dim() != 2 or tensor_val(args[0]).dim() != 2:
+        return None
+    weight = _weight_rows(args[1])
+    if weight is None:
+        return None
+    base, lo, hi = weight
+    key = [node.target, base]
+    for i, arg in enumerate(args):
+        if i in (1, _OUT_DTYPE):
+            continue
+        if i in _ROWS[node.target] and arg is not None:
+            rows = _rows(_peel_views(arg))
+            if rows is None or rows[1:] != (lo, hi) or tensor_val(arg).dim() != 1:
+                return None
+            key.append(("rows", rows[0]))
+        else:
+            key.append(("node", ids[arg]) if isinstance(arg, fx.Node) else ("const", arg))
+    return tuple(key), lo, hi
+
+
+def _replace(graph: fx.Graph, members: list, ranges: dict) -> None:
+    """``members`` in graph order; ``ranges``: each one's (lo, hi)."""
+    lo0, hi_n = min(r[0] for r in ranges.values()), max(r[1] for r in ranges.values())
+    ins = Inserter(graph, members[-1])
+    args = _args(members[0])
+    cut = lambda x: ins.call(aten.slice.Tensor, _rows(x)[0], 0, lo0, hi_n)  # noqa: E731
+    new = list(args)
+    new[1] = ins.call(aten.permute.default, cut(args[1].args[0]), [1, 0])
+    for i in _ROWS[members[0].target]:
+        if args[i] is not None:
+            new[i] = cut(_peel_views(args[i]))
+    dtypes = {_args(m)[_OUT_DTYPE] for m in members}
+    new[_OUT_DTYPE] = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    out = ins.call(members[0].target, *new)
+    for member in members:
+        lo, hi = ranges[member]
+        part = ins.call(aten.slice.Tensor, out, 1, lo - lo0, hi - lo0)
+        if _args(member)[_OUT_DTYPE] != new[_OUT_DTYPE]:
+            part = ins.call(prims.convert_element_type.default, part, _args(member)[_OUT_DTYPE])
+        part.meta["stack_trace"] = member.meta.get("stack_trace")
+        member.replace_all_uses_with(part)
+        graph.erase_node(member)
+
+
+def join_siblings(graph: fx.Graph) -> list[list[str]]:
+    """Replace each run of joinable calls (module docstring) by one call; returns the names
+    of the calls joined, per run."""
+    calls = [n for target in _ROWS for n in graph.find_nodes(op="call_function", target=target)]
+    if len(calls) < 2:
+        return []
+    ids = value_ids(graph)
+    by_key: dict = {}
+    for node in calls:
+        found = _member(node, ids)
+        if found is not None:
+            by_key.setdefault(found[0], []).append((found[1], found[2], node))
+    done = []
+    for entries in by_key.values():
+        entries.sort(key=lambda e: e[:2])
+        run = [entries[0]]
+        for entry in entries[1:] + [None]:
+            if entry is not None and entry[0] == run[-1][1]:
+                run.append(entry)
+                continue
+            if len(run) >= 2:
+                position = {n: i for i, n in enumerate(graph.nodes)}
+                nodes = sorted((e[2] for e in run), key=position.__getitem__)
+                if len(_independent(nodes)) == len(nodes):
+                    done.append([n.name for n in nodes])
+                    _replace(graph, nodes, {e[2]: e[:2] for e in run})
+                    stable_topological_sort(graph)
+            run = [entry]
+    return done
