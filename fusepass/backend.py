@@ -4,13 +4,16 @@
     torch.compile(model, options=fusepass.inductor_options())   # stock Inductor + the pass
 
 Both keep Inductor's FX graph cache on: the pass is a CustomGraphPass with a uuid(). The
-backend also compiles with Inductor choices of its own (``passes/choices.py``), and takes
-tensor-subclass weights (torchao's) apart at compile time (``static_subclasses.py``).
+backend also compiles with Inductor choices of its own (``passes/choices.py``). Tensor-subclass
+weights (torchao's) it compiles as AOTAutograd gives them; ``fusepass.prepare(model)`` turns
+them into plain tensors once, which is what takes their per-call cost away
+(``integrations/prepare.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections import Counter
 
 import torch
@@ -20,8 +23,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from .passes import FusePass, PassConfig
 from .passes.choices import decode_reductions
 from .passes.fuse_pass import INDUCTOR_PREFIX
-from .static_subclasses import flatten_static_subclasses
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+log = logging.getLogger("fusepass")
 _HOOK = "post_grad_custom_pre_pass"  # why this hook: fusepass/passes/fuse_pass.py
 
 
@@ -107,11 +111,26 @@ def _counts() -> tuple[Counter, Counter]:
     return Counter(counters["fusepass"]), inductor
 
 
+def _hint_prepare(example_inputs) -> None:
+    """Say once per process where a graph takes tensor-subclass weights: each costs host time
+    on every call (Dynamo's guards, AOTAutograd taking it apart), which ``fusepass.prepare``
+    removes."""
+    global _HINTED
+    subclasses = sum(isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x) for x in example_inputs)
+    if subclasses and not _HINTED:
+        _HINTED = True
+        log.warning("fusepass: this graph takes %d tensor-subclass inputs (torchao's quantized weights?); each "
+                    "costs host time on every call. fusepass.prepare(model) before torch.compile turns them "
+                    "into plain tensors once.", subclasses)
+
+
+_HINTED = False
+
+
 def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
     """The ``fusepass`` backend: Inductor with the fusion pass; takes ``mode=``/``options=``
     as ``torch.compile`` passes them (e.g. ``mode="reduce-overhead"`` for CUDA graphs).
-    Inductor keeps decode-size row reductions in one kernel here (``passes/choices.py``), and
-    gets static tensor-subclass inputs as their plain inner tensors (``static_subclasses.py``).
+    Inductor keeps decode-size row reductions in one kernel here (``passes/choices.py``).
 
     On an FX-graph-cache hit the pass does not run; ``counters["fusepass"]`` is filled
     from the counts Inductor replays from the cache entry (see ``fuse_pass.count``)."""
@@ -121,13 +140,9 @@ def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict 
     patches = dict(list_mode_options(mode)) if mode else {}
     patches.update(options or {})
     (ours, inductor) = _counts()
-    flattened = flatten_static_subclasses(gm, example_inputs)
-    if flattened is not None:
-        gm, example_inputs, flattened = flattened
+    _hint_prepare(example_inputs)
     with decode_reductions(patches):
         compiled = compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
-    if flattened is not None:
-        compiled = flattened.wrap(compiled)
     (ours_now, inductor_now) = _counts()
     counters["fusepass"].update((inductor_now - inductor) - (ours_now - ours))  # replayed, not counted
     return compiled

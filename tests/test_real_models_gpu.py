@@ -85,38 +85,42 @@ def test_torchao_llama_generates_fused(bf16_model, quant, batch):
     assert _rel(ours, reference) <= 1.1 * _rel(theirs, reference) + 1e-3, (_rel(ours, reference), _rel(theirs, reference))
 
 
-@pytest.mark.parametrize("mode", [None, "reduce-overhead"], ids=["default", "cuda-graphs"])
-@pytest.mark.parametrize("quant", ["int8", "fp8"])
-def test_torchao_weights_taken_apart_at_compile_time_change_no_bit(bf16_model, quant, mode, monkeypatch):
-    """A decode step through ``backend="fusepass"`` with torchao's weights taken apart at
-    compile time (fusepass/static_subclasses.py) equals the one without, bit for bit; with
-    it, Inductor compiles plain tensors only (no weight was left to AOTAutograd)."""
+# What a prepared model's linears match: fusepass.prepare's compile-time forms (integrations/linear.py).
+# At M = 1 a per-token zero point is a per-tensor one: its azp_adj (z * row sums) is computed
+# in the graph, and those calls are not joined.
+PREPARED = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token", "int_mm_azp_per_tensor"}, "fp8": {"dequant_mm"}}
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("quant", list(PREPARED))
+def test_prepared_llama_generates_fused(bf16_model, quant, batch):
+    """``fusepass.prepare`` on a torchao model, then ``backend="fusepass"``: every quantized
+    linear fused at prefill and decode, q/k/v and gate/up joined, tokens and logits as eager
+    torchao's (the policy above)."""
+    import fusepass
+    from fusepass.passes.join import NAME as JOINED
+
     if quant == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 needs compute capability 8.9")
-    import fusepass.backend
-    from torch._inductor.compile_fx import compile_fx
-
     qmodel = models.quantized_copy(bf16_model, quant, "torchao")
-    ids = models.prompt(bf16_model, 1, PROMPT, seed=1)
-    plain, logits = [], []
-
-    def spy(gm, example_inputs, **kw):
-        plain.append(all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in example_inputs
-                         if isinstance(t, torch.Tensor)))
-        return compile_fx(gm, example_inputs, **kw)
-
-    monkeypatch.setattr("torch._inductor.compile_fx.compile_fx", spy)
-    for flatten in (True, False):
-        if not flatten:
-            assert plain and all(plain), plain
-            monkeypatch.setattr(fusepass.backend, "flatten_static_subclasses", lambda gm, ex: None)
-        torch._dynamo.reset()
-        fn = torch.compile(qmodel, backend="fusepass", mode=mode, dynamic=False)
-        cache = models.static_cache(qmodel, 1, PROMPT + NEW)
-        with torch.no_grad():
-            for _ in range(3):  # (warm-up and CUDA-graph recording, then a replay)
-                if mode:
-                    torch.compiler.cudagraph_mark_step_begin()
-                out = fn(**models.decode_inputs(ids, cache)).logits.clone()
-        logits.append(out)
-    assert torch.equal(logits[0], logits[1])
+    ids = models.prompt(bf16_model, batch, PROMPT, seed=batch)
+    eager = accuracy.greedy("eager", qmodel, ids, NEW)  # (torchao's own, before prepare)
+    assert not eager.error, eager.error
+    theirs = accuracy.forced_logits(qmodel, ids, eager.tokens)
+    report = fusepass.prepare(qmodel)
+    assert len(report.converted) == LINEARS and not report.left, report
+    counters["fusepass"].clear()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        fused = accuracy.greedy("fused", qmodel, ids, NEW, fusepass_backend)
+    assert not fused.error, fused.error
+    found = dict(counters["fusepass"])
+    # prefill and decode: 7 linears a layer and lm_head each; q/k/v and gate/up joined
+    joined = found.pop(JOINED, 0)
+    assert set(found) <= PREPARED[quant] and sum(found.values()) == 2 * LINEARS, found
+    per_tensor = "int_mm_azp_per_tensor" in found
+    assert joined == (1 if per_tensor else 2) * 2 * SIZES.layers, (joined, found)
+    _assert_same_tokens_or_near_tie(fused, eager)
+    reference = accuracy.forced_logits(bf16_model.float(), ids, eager.tokens)
+    bf16_model.bfloat16()
+    ours = accuracy.forced_logits(qmodel, ids, eager.tokens)  # (prepared, eager: fusepass's kernels)
+    assert _rel(ours, reference) <= 1.1 * _rel(theirs, reference) + 1e-3, (_rel(ours, reference), _rel(theirs, reference))

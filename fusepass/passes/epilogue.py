@@ -104,6 +104,15 @@ def _source(arg):
     return arg
 
 
+def _stored(arg) -> bool:
+    """Whether ``arg`` is a graph input (or constant) read through views, slices and float
+    casts: a stored scale, not a value computed from activations."""
+    arg = peel_expand(arg)
+    while is_call(arg, aten.unsqueeze.default, aten.slice.Tensor, *VIEW_OPS) or cast_dtype(arg) in FLOAT_DTYPES:
+        arg = peel_expand(arg.args[0])
+    return is_number(arg) or not isinstance(arg, fx.Node) or arg.op in ("placeholder", "get_attr")
+
+
 def _integer_source(arg):
     """``x`` for ``x.to(float)`` with an integer ``x``, else None."""
     if cast_dtype(arg) in FLOAT_DTYPES and tensor_val(arg.args[0]).dtype in INT_DTYPES:
@@ -187,6 +196,10 @@ class _Walker:
                 if ep.scaled:
                     return None  # the dequantization is complete; a different op follows
                 raise
+            if ep.scaled and same(shape[0], 1) and any(axis is Axis.COL and not _stored(f) for f, axis in factors):
+                # At M = 1 an activation's [1, N] row reads as a column vector: the SiLU'd gate
+                # times up, which would make up depend on gate and keep them from joining
+                return None
             if ep.bias is not None:
                 raise Rejected("a multiply follows the bias add; the fused epilogue adds the bias last")
             if ep.block_scaled and any(axis is Axis.COL for _, axis in factors):

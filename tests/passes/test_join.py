@@ -1,0 +1,137 @@
+"""passes/join.py: sibling fused matmuls over touching row ranges of one buffer become one.
+
+Graph tests on ``W8A8Linear``s (fusepass.prepare's modules) sharing a ``Joint``: what joins
+(counts, the graph, numerics against eager) and what must not (other activations, ranges
+that do not touch, separate buffers, a member computed from another's result).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from fusepass.integrations.linear import Act, Joint, W8A8Linear
+from fusepass.passes.join import NAME as JOINED
+
+from tests.passes.harness import run_pass
+
+K = 64
+
+
+def _joint(rows: list[int], act: Act, bias: bool = False, seed: int = 0) -> tuple[Joint, list[W8A8Linear]]:
+    g = torch.Generator().manual_seed(seed)
+    n = sum(rows)
+    w = torch.randint(-127, 128, (n, K), generator=g, dtype=torch.int8)
+    joint = Joint(w, torch.rand(n, generator=g) / 100 + 1e-3,
+                  w.sum(1, dtype=torch.int32) if act.kind == "int8-asym" else None,
+                  torch.randn(n, generator=g).bfloat16() if bias else None)
+    members, lo = [], 0
+    for r in rows:
+        members.append(W8A8Linear(joint, lo, lo + r, act))
+        lo += r
+    return joint, members
+
+
+class Siblings(nn.Module):
+    """Calls ``members[i]`` on ``inputs[i]`` (an index into the forward's arguments)."""
+
+    def __init__(self, members, inputs):
+        super().__init__()
+        self.members = nn.ModuleList(members)
+        self.inputs = inputs
+
+    def forward(self, *xs):
+        return [m(xs[i]) for m, i in zip(self.members, self.inputs, strict=True)]
+
+
+def _x(m: int = 32, seed: int = 1):
+    return torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def _calls(after: str) -> int:
+    return len(re.findall(r"= fusepass\.scaled_mm(?:_azp)?\(", after))
+
+
+def _check_eager(model, xs, out):
+    with torch.no_grad():
+        eager = model(*xs)
+    for o, e in zip(out, eager, strict=True):
+        assert o.shape == e.shape and o.dtype == e.dtype
+        torch.testing.assert_close(o.float(), e.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_three_siblings_on_one_activation_become_one_matmul():
+    _, members = _joint([32, 16, 16], Act("int8"))
+    model, x = Siblings(members, [0, 0, 0]), _x()
+    r = run_pass(model, x)
+    assert r.counts == {"dequant_mm": 3, JOINED: 1}, r.counts
+    assert _calls(r.after) == 1
+    # one call over rows [0, 64) of the buffer, each member a column slice of its result
+    assert re.search(r"slice\.Tensor\(\w+weight, 0, 0, 64\)", r.after), r.after
+    for lo, hi in ((0, 32), (32, 48), (48, 64)):
+        assert re.search(rf"slice\.Tensor\(scaled_mm\w*, 1, {lo}, {hi}\)", r.after), r.after
+    _check_eager(model, [x], r.out)
+
+
+def test_asymmetric_siblings_join_with_their_row_sums_and_bias():
+    _, members = _joint([16, 16], Act("int8-asym"), bias=True)
+    model, x = Siblings(members, [0, 0]), _x(m=20)  # (M > 16: per-token zero points)
+    r = run_pass(model, x)
+    assert r.counts == {"int_mm_azp_per_token": 2, JOINED: 1}, r.counts
+    assert len(re.findall(r"= fusepass\.scaled_mm_azp\(", r.after)) == 1
+    _check_eager(model, [x], r.out)
+
+
+def test_siblings_in_any_order_join_over_the_union():
+    _, members = _joint([16, 16, 16], Act("int8"))
+    model, x = Siblings([members[2], members[0], members[1]], [0, 0, 0]), _x()
+    r = run_pass(model, x)
+    assert r.counts == {"dequant_mm": 3, JOINED: 1}, r.counts
+    _check_eager(model, [x], r.out)
+
+
+def test_ranges_that_do_not_touch_are_not_joined():
+    _, members = _joint([16, 16, 16], Act("int8"))
+    model, x = Siblings([members[0], members[2]], [0, 0]), _x()
+    r = run_pass(model, x)
+    assert r.counts == {"dequant_mm": 2}, r.counts
+    assert _calls(r.after) == 2
+
+
+def test_siblings_on_different_activations_are_not_joined():
+    _, members = _joint([16, 16], Act("int8"))
+    model = Siblings(members, [0, 1])
+    r = run_pass(model, _x(seed=1), _x(seed=2))
+    assert r.counts == {"dequant_mm": 2}, r.counts
+
+
+def test_separate_buffers_are_not_joined():
+    _, (a,) = _joint([16], Act("int8"), seed=1)
+    _, (b,) = _joint([16], Act("int8"), seed=2)
+    r = run_pass(Siblings([a, b], [0, 0]), _x())
+    assert r.counts == {"dequant_mm": 2}, r.counts
+
+
+def test_a_member_computed_from_another_is_not_joined():
+    _, (a, b) = _joint([K, K], Act("int8"))
+
+    class Chain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = a, b
+
+        def forward(self, x):
+            return [self.b(self.a(x))]
+
+    r = run_pass(Chain(), _x())
+    assert r.counts == {"dequant_mm": 2}, r.counts
+
+
+def test_join_off_in_the_config():
+    from fusepass.passes import PassConfig
+
+    _, members = _joint([16, 16], Act("int8"))
+    r = run_pass(Siblings(members, [0, 0]), _x(m=32), config=PassConfig(join_siblings=False))
+    assert r.counts == {"dequant_mm": 2}, r.counts

@@ -1,0 +1,206 @@
+"""``fusepass.prepare``: torchao's quantized weights as plain-tensor ``W8A8Linear``s.
+
+For each scheme torchao writes for W8A8 (int8 with symmetric or asymmetric per-token
+activations, fp8 per-row): every quantized linear converted with the checkpoint's own values,
+siblings sharing one buffer; the eager model's logits within the numerics policy against the
+float model; every linear fused, q/k/v and gate/up joined, at prefill and decode (batch 1
+and 4). Anything else is left as it is, with its reason. One test compiles for real.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import fusepass
+from fusepass.backend import capture_backend
+from fusepass.integrations.linear import Act, quantize_rows
+from fusepass.passes import FusePass
+from fusepass.passes.join import NAME as JOINED
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchao")
+from fusepass.demo import models  # noqa: E402
+
+SIZES = models.Sizes(layers=2, hidden_size=128, intermediate_size=256, heads=4, kv_heads=2, vocab_size=512)
+LINEARS = 7 * SIZES.layers + 1  # q k v o gate up down per layer, and lm_head
+# the compile-time form each scheme's linears match (integrations/linear.py)
+PATTERN = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token", "int_mm_azp_per_tensor"}}
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return models.random_llama(SIZES, 64, torch.device("cpu"), seed=0)
+
+
+def _rel(x, ref) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _prepared(bf16_model, quant: str, **kwargs):
+    model = models.quantized_copy(bf16_model, quant, "torchao")
+    return model, fusepass.prepare(model, **kwargs)
+
+
+@pytest.mark.parametrize("quant", list(PATTERN))
+def test_prepare_converts_every_torchao_linear_with_its_own_values(bf16_model, quant):
+    torchao_model = models.quantized_copy(bf16_model, quant, "torchao")
+    weight = torchao_model.model.layers[0].self_attn.k_proj.weight
+    model, report = _prepared(bf16_model, quant)
+    assert len(report.converted) == LINEARS and set(report.converted.values()) == {quant} and not report.left
+    # per layer: q/k/v/o share a buffer (one input width), gate/up another; down and lm_head alone
+    assert sorted(map(len, report.joined)) == [2] * SIZES.layers + [4] * SIZES.layers
+    assert str(report).startswith(f"fusepass.prepare: {LINEARS} quantized linears converted ({quant} {LINEARS})")
+    k = model.model.layers[0].self_attn.k_proj
+    assert isinstance(k, fusepass.W8A8Linear) and k.act.kind == quant
+    assert k.joint is model.model.layers[0].self_attn.q_proj.joint
+    rows = k.joint.weight[k.lo:k.hi]
+    assert torch.equal(rows, weight.qdata) and torch.equal(k.joint.weight_scale[k.lo:k.hi], weight.scale.float().flatten())
+    assert (k.joint.colsum is not None) == (quant == "int8-asym")
+    if quant == "int8-asym":
+        assert torch.equal(k.joint.colsum[k.lo:k.hi], weight.qdata.sum(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("quant", list(PATTERN))
+def test_prepared_eager_logits_are_as_close_to_float_as_torchao(bf16_model, quant):
+    torchao_model = models.quantized_copy(bf16_model, quant, "torchao")
+    model, _ = _prepared(bf16_model, quant)
+    ids = models.prompt(bf16_model, 2, 8, seed=1)
+    with torch.no_grad():
+        reference = bf16_model.float()(ids).logits
+        bf16_model.bfloat16()
+        theirs, ours = torchao_model(ids).logits, model(ids).logits
+    assert torch.isfinite(ours).all()
+    assert _rel(ours, reference) <= 1.1 * _rel(theirs, reference) + 1e-3, (_rel(ours, reference), _rel(theirs, reference))
+
+
+def _graph_counts(model, inputs: dict) -> tuple[list, dict, torch.Tensor]:
+    decisions = []
+    pass_ = FusePass()
+    counters["fusepass"].clear()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=capture_backend(lambda gm: decisions.extend(pass_.run(gm.graph))),
+                             dynamic=False)
+    with torch.no_grad():
+        out = compiled(**inputs).logits
+    return decisions, dict(counters["fusepass"]), out
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+@pytest.mark.parametrize("quant", list(PATTERN))
+def test_prepared_model_fuses_every_linear_and_joins_siblings(bf16_model, quant, step, batch):
+    model, _ = _prepared(bf16_model, quant)
+    ids = models.prompt(bf16_model, batch, 8, seed=2)
+    inputs = (dict(input_ids=ids) if step == "prefill"
+              else models.decode_inputs(ids, models.static_cache(model, batch, 16)))
+    with torch.no_grad():
+        eager = model(**{k: v for k, v in inputs.items() if k != "past_key_values"}, use_cache=False).logits \
+            if step == "prefill" else None
+    decisions, counts, out = _graph_counts(model, inputs)
+    # (fused whole, or at M = 1 up to a residual add that reads as a bias: "in part")
+    assert len(decisions) == LINEARS and all(d.fused for d in decisions), [d for d in decisions if not d.fused]
+    joined = counts.pop(JOINED, 0)
+    assert set(counts) <= PATTERN[quant] and sum(counts.values()) == LINEARS, counts
+    # q/k/v and gate/up; but at M = 1 a per-token zero point is per-tensor, whose azp_adj is
+    # computed in the graph: those calls are not joined
+    assert joined == (0 if "int_mm_azp_per_tensor" in counts else 2) * SIZES.layers, (joined, counts)
+    if eager is not None:  # (quantized activations round differently in the traced order)
+        assert _rel(out, eager) < 0.05
+
+
+def test_prepare_join_false_keeps_a_buffer_per_linear(bf16_model):
+    model, report = _prepared(bf16_model, "int8", join=False)
+    assert len(report.converted) == LINEARS and not report.joined
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.joint is not attn.k_proj.joint
+    _, counts, _ = _graph_counts(model, dict(input_ids=models.prompt(bf16_model, 4, 8, seed=3)))  # (M = 32: no groups)
+    assert JOINED not in counts and counts == {"dequant_mm": LINEARS}
+
+
+def test_prepare_fp8_per_row_weights():
+    """torchao's Float8Tensor (made on the CPU here: its config refuses a CPU) converts to an
+    fp8 W8A8Linear whose eager output is the per-token fp8 product of the dequantized values."""
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor, QuantizeTensorToFloat8Kwargs
+
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=True, dtype=torch.bfloat16)
+    w = Float8Tensor.from_hp(lin.weight.detach(), granularity=PerRow(),
+                             act_quant_kwargs=QuantizeTensorToFloat8Kwargs(granularity=PerRow()))
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    model = nn.Sequential(lin)
+    report = fusepass.prepare(model)
+    assert report.converted == {"0": "fp8"}
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    q, s, _ = quantize_rows(x, Act("fp8"))
+    expected = (q.double() * s.double()) @ (w.qdata.double() * w.scale.double()).t() + lin.bias.double()
+    out = model(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("config", "why"), [
+    ("Int8WeightOnlyConfig()", "weight-only"),
+    ("Int8DynamicActivationInt8WeightConfig(granularity=PerTensor())", "only per-row weight scales"),
+])
+def test_prepare_leaves_other_schemes_with_the_reason(config, why, caplog):
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, PerTensor, quantize_
+
+    model = nn.Sequential(nn.Linear(64, 32, dtype=torch.bfloat16), nn.Linear(32, 16, dtype=torch.bfloat16))
+    scope = {"Int8WeightOnlyConfig": Int8WeightOnlyConfig, "PerTensor": PerTensor,
+             "Int8DynamicActivationInt8WeightConfig": Int8DynamicActivationInt8WeightConfig}
+    quantize_(model, eval(config, scope))
+    with caplog.at_level(logging.WARNING, logger="fusepass.prepare"):
+        report = fusepass.prepare(model)
+    assert not report.converted and set(report.left) == {"0", "1"}
+    assert all(why in reason for reason in report.left.values()), report.left
+    assert f"left 0: {report.left['0']}" in str(report)
+    assert "left 0 as it is" in caplog.text
+    assert type(model[0]) is nn.Linear  # untouched
+
+
+def test_prepare_leaves_plain_models_alone():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    report = fusepass.prepare(model)
+    assert not report.converted and not report.left and type(model[0]) is nn.Linear
+
+
+def test_act_kind_checked():
+    with pytest.raises(ValueError, match="Act.kind must be one of"):
+        Act("int4")
+
+
+def test_prepared_model_compiles_with_the_backend(bf16_model):
+    """For real, one Inductor compile (CPU): the prepared model compiled with
+    ``backend="fusepass"`` gives its eager logits (within the rounding of a different
+    activation-quantization order), with every linear fused and siblings joined."""
+    model, _ = _prepared(bf16_model, "int8")
+    ids = models.prompt(bf16_model, 2, 8, seed=4)
+    counters["fusepass"].clear()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = model(ids).logits
+        out = torch.compile(model, backend="fusepass", dynamic=False)(ids).logits
+    assert dict(counters["fusepass"]) == {"dequant_mm": LINEARS, JOINED: 2 * SIZES.layers}
+    assert _rel(out, eager) < 0.05
+
+
+def test_backend_name_registered_on_import_without_the_entry_point():
+    """From a source tree (no installed entry point), ``import fusepass`` registers the name."""
+    code = (
+        "import importlib.metadata as md\n"
+        "real = md.entry_points\n"
+        "md.entry_points = lambda **kw: md.EntryPoints([]) if kw.get('group') == 'torch_dynamo_backends' else real(**kw)\n"
+        "import torch, fusepass\n"
+        "print(torch.compile(lambda x: x * 2, backend='fusepass')(torch.ones(2)).tolist())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().endswith("[2.0, 2.0]")
