@@ -16,7 +16,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import torch.fx as fx
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
@@ -45,11 +44,6 @@ _SOURCES = tuple(sorted(
 # replays them on a hit, when the pass does not run: each rewrite is counted there too,
 # as "fusepass.<name>", so that the backend can restore counters["fusepass"] from it.
 INDUCTOR_PREFIX = "fusepass."
-
-
-# Ops a model may call itself, reported by explain as fused (pattern "explicit").
-EXPLICIT = (torch.ops.fusepass.scaled_mm.default, torch.ops.fusepass.scaled_mm_azp.default)
-EXPLICIT_NAME = "explicit"
 
 
 def count(name: str) -> None:
@@ -130,8 +124,7 @@ class FusePass(CustomGraphPass):
             graph.lint()
 
     def run(self, graph: fx.Graph) -> list[Decision]:
-        # fusepass ops the model calls itself (fusepass.prepare's linears) are fused already
-        decisions = [self._explicit(node) for op in EXPLICIT for node in graph.find_nodes(op="call_function", target=op)]
+        decisions = []
         for node in list(graph.nodes):
             if getattr(node, "_erased", False) or node.op != "call_function":
                 continue
@@ -151,15 +144,10 @@ class FusePass(CustomGraphPass):
             for names in group_siblings(graph, self.config.group_max_m):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
-        if joined or any((d.fused and d.pattern != EXPLICIT_NAME) or d.rerouted for d in decisions):
+        if joined or any(d.fused or d.rerouted for d in decisions):
             graph.eliminate_dead_code()
             graph.lint()
         return decisions
-
-    @staticmethod
-    def _explicit(node: fx.Node) -> Decision:
-        name = str(node.target).replace(".default", "")
-        return Decision(node.name, module_path(node), name, _describe(node), location(node), EXPLICIT_NAME, name)
 
     def _try(self, graph: fx.Graph, node: fx.Node, pattern) -> Decision | None:
         target = str(node.target).replace(".default", "")
