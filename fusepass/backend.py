@@ -20,6 +20,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .kernels.launch import splitting_outside_graphs
 from .passes import FusePass, PassConfig
 from .passes.choices import decode_reductions
 from .passes.fuse_pass import INDUCTOR_PREFIX
@@ -70,13 +71,6 @@ def _fusepass_in(p) -> FusePass | None:
     if isinstance(p, ChainedPass):
         return next((f for f in map(_fusepass_in, p.passes) if f is not None), None)
     return None
-
-
-def installed_config() -> PassConfig | None:
-    """The ``PassConfig`` of the fusepass pass in Inductor's config now (while it compiles a
-    graph with the pass: its options are applied then), or None."""
-    found = _fusepass_in(getattr(torch._inductor.config, _HOOK))
-    return None if found is None else found.config
 
 
 def inductor_options(options: dict | None = None, *, config: PassConfig | None = None) -> dict:
@@ -141,8 +135,10 @@ def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict 
     patches.update(options or {})
     (ours, inductor) = _counts()
     _hint_prepare(example_inputs)
-    with decode_reductions(patches):
-        compiled = compile_fx(gm, example_inputs, config_patches=inductor_options(patches))
+    options = inductor_options(patches)
+    # (op calls AOTAutograd traces before the pass runs take the pass's split decision too)
+    with decode_reductions(patches), splitting_outside_graphs(_fusepass_in(options[_HOOK]).config.split_k_outside_cuda_graphs):
+        compiled = compile_fx(gm, example_inputs, config_patches=options)
     (ours_now, inductor_now) = _counts()
     counters["fusepass"].update((inductor_now - inductor) - (ours_now - ours))  # replayed, not counted
     return compiled

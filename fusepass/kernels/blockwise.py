@@ -34,6 +34,10 @@ import triton.language as tl
 
 from .scaled_mm import grouped_tile, split_k_sum
 
+# The DeepSeek-V3 recipe, as torch._scaled_mm, cuBLAS and vLLM's CUTLASS kernels take it: one
+# activation scale per 1x128 group (a row, 128 of K), one weight scale per 128x128 block.
+BLOCK = 128
+
 
 @triton.jit
 def blockwise_mm_kernel(

@@ -24,8 +24,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from ..ops.checks import BLOCK
-from .blockwise import blockwise_mm_kernel
+from .blockwise import BLOCK, blockwise_mm_kernel
 from .configs import Config, cdiv, decode_unsplit, fit, merge_buckets, sm_count
 from .direct import launcher, record
 from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, above, cublas_layout, decode_splits,

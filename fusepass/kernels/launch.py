@@ -16,6 +16,7 @@ compiled graph runs each M on its own bucket's tiles (a host-side ``if`` in the 
 
 from __future__ import annotations
 
+import contextlib
 from contextvars import ContextVar
 from dataclasses import replace
 
@@ -99,6 +100,21 @@ def on_device(a: torch.Tensor, fake: bool, launch):
     return launch()
 
 
+# Set by whoever traces the ops for code that its caller captures into CUDA graphs itself
+# (the fusepass pass and backend, from ``PassConfig.split_k_outside_cuda_graphs``).
+SPLIT_OUTSIDE_GRAPHS: ContextVar[bool] = ContextVar("fusepass_split_outside_graphs", default=False)
+
+
+@contextlib.contextmanager
+def splitting_outside_graphs(on: bool):
+    """Traced decode launches split K outside Inductor's CUDA graphs too while this is on."""
+    token = SPLIT_OUTSIDE_GRAPHS.set(on)
+    try:
+        yield
+    finally:
+        SPLIT_OUTSIDE_GRAPHS.reset(token)
+
+
 def decode_splits(fake: bool, symbolic_m: bool) -> bool:
     """Whether a decode launch may split K (the configs' ``split_decode``).
 
@@ -107,20 +123,13 @@ def decode_splits(fake: bool, symbolic_m: bool) -> bool:
     from the last launch on the stream (``direct.split_scratch``). Traced: where its
     launches are hidden in a CUDA graph, as far as it is known while Inductor compiles: its
     ``triton.cudagraphs`` option (``mode="reduce-overhead"`` or ``"max-autotune"``; part of
-    the FX-graph-cache key), or the fusepass pass's ``PassConfig.split_k_outside_cuda_graphs``
-    for code that its caller captures (read from Inductor's config, so it holds for ops the
-    pass lowers and for ops AOTAutograd decomposes).
+    the FX-graph-cache key), or ``splitting_outside_graphs`` for code that its caller captures.
     Not for a symbolic M: its ``cond`` is control flow, which Inductor keeps out of its CUDA
     graphs (torch 2.13's graph partition)."""
-    if not fake:
+    if not fake or SPLIT_OUTSIDE_GRAPHS.get():
         return True
     from torch._inductor import config
 
-    from ..backend import installed_config  # (fusepass.backend imports this module)
-
-    pass_config = installed_config()
-    if pass_config is not None and pass_config.split_k_outside_cuda_graphs:
-        return True
     return bool(config.triton.cudagraphs) and not symbolic_m
 
 
@@ -129,10 +138,10 @@ def _per_element(v: torch.Tensor | None) -> bool:
 
 
 # Above this M, an fp8 product runs as cuBLAS's torch._scaled_mm where that call takes it
-# (``cublas_takes_fp8``). H200, torch 2.11 (cuBLAS of CUDA 13.0), 5 Llama-3-8B shapes,
-# per-token x per-channel scales with a bf16 bias, CUDA graphs (benchmarks/NOTES.md, run 16):
-# the kernel is 1.30x cuBLAS's speed at M = 32 (geomean; 1.14-1.62x) and 1.18x at M = 64
-# (0.94-1.45x), then 0.92x at M = 128 (0.85-1.11x), 0.83x at 256, 0.58-0.71x from 512 up.
+# (``cublas_takes_fp8``), and the pass leaves fp8 matmuls to it (``PassConfig.fp8_max_m``).
+# H200, torch 2.11 (cuBLAS of CUDA 13.0), bench_linear.py's 8 Llama-3 8B/70B shapes, per-token x
+# per-channel scales with a bf16 bias, CUDA graphs: the kernel is 1.34x cuBLAS's speed at
+# M = 64 (geomean; 1.15-1.57x), 0.83x at M = 256, 0.64-0.85x from M = 1024 up; 1.30x at M = 32.
 FP8_CUBLAS_ABOVE_M = 64
 CUBLAS = "cuBLAS"  # in a _by_m choice list: cuBLAS's GEMM instead of a kernel config
 

@@ -11,6 +11,8 @@ import functools
 
 import torch
 
+from ..kernels.blockwise import BLOCK
+
 INPUT_DTYPES = (torch.int8, torch.float8_e4m3fn)
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BIAS_DTYPES = OUT_DTYPES
@@ -73,13 +75,21 @@ def _capability(index: int) -> tuple:
     return tuple(torch.cuda.get_device_capability(index))
 
 
+def gpu_too_old(device: torch.device, dtype: torch.dtype) -> tuple | None:
+    """(the capability ``dtype``'s kernels need, the device's) where ``device`` is a GPU older
+    than that, else None (also for fake CUDA tensors on a host without a GPU)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    need = MIN_CAPABILITY if dtype == torch.int8 else MIN_FP8_CAPABILITY
+    return (need, cap) if cap < need else None
+
+
 def check_gpu(op: str, device: torch.device, dtype: torch.dtype) -> None:
     """The GPU must have the tensor cores the kernel uses; say so instead of failing in Triton."""
-    if device.type != "cuda" or not torch.cuda.is_available():  # fake CUDA tensors on a CPU host
-        return
-    cap = _capability(device.index if device.index is not None else torch.cuda.current_device())
-    need, what = (MIN_FP8_CAPABILITY, "float8_e4m3fn inputs") if dtype != torch.int8 else (MIN_CAPABILITY, "int8 inputs")
-    if cap < need:
+    old = gpu_too_old(device, dtype)
+    if old is not None:
+        (need, cap), what = old, "int8 inputs" if dtype == torch.int8 else "float8_e4m3fn inputs"
         raise ValueError(
             f"{op}: {what} need a GPU with compute capability >= {need[0]}.{need[1]}; "
             f"{device} has {cap[0]}.{cap[1]}"
@@ -190,9 +200,7 @@ def check_scaled_mm_args(
 
 # --- block-wise scales (fusepass.scaled_mm_blockwise) -------------------------------------
 
-# The DeepSeek-V3 recipe, as torch._scaled_mm, cuBLAS and vLLM's CUTLASS kernels take it: one
-# activation scale per 1x128 group (a row, 128 of K), one weight scale per 128x128 block.
-BLOCK = 128
+# (BLOCK, the scale block's width: 128, the kernel's GROUP_K)
 
 
 def _ceil_div(n, d):

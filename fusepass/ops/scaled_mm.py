@@ -60,19 +60,17 @@ Tensor = torch.Tensor
 
 
 def _compute(a, b, scale_a, scale_b, out_dtype, bias, azp_adj=None, azp=None) -> Tensor:
+    if statically_known_true(a.shape[1] == 0):
+        # An empty sum is zero whatever the scales (torch._scaled_mm's answer, also for
+        # infinite ones, where zeros times the scales would be NaN): the bias alone.
+        out = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
+        return out if bias is None else out + bias.to(out_dtype)
     if a.device.type != "cuda":  # CPU (and meta): the exact reference
         if out_dtype == torch.int32:
             return reference.accumulate(a, b)
         if azp_adj is None:
             return reference.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)
         return reference.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)
-    if statically_known_true(a.shape[1] == 0):  # empty sum: only the epilogue of a zero accumulator
-        acc = a.new_zeros((a.shape[0], b.shape[1]), dtype=torch.int32 if a.dtype == torch.int8 else torch.float32)
-        if out_dtype == torch.int32:
-            return acc
-        if azp_adj is not None:
-            acc = reference.zero_point_correction(acc, azp_adj, azp)
-        return reference.epilogue(acc, scale_a, scale_b, out_dtype, bias)
     return launch_scaled_mm(a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp)
 
 

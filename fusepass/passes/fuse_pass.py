@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.virtualized import V
 
-from ..kernels.launch import decode_splits
+from ..kernels.launch import FP8_CUBLAS_ABOVE_M, decode_splits, splitting_outside_graphs
 from .graph import Rejected, aten, location, module_path
 from .group import NAME as GROUPED, group_siblings
 from .join import NAME as JOINED, join_siblings
@@ -54,16 +54,15 @@ def count(name: str) -> None:
 @dataclass(frozen=True)
 class PassConfig:
     # fp8 matmuls (rows 6-7) fuse only for a static M at most this: above it cuBLAS's
-    # _scaled_mm is the faster. H200, bench_linear.py's 8 Llama shapes: the kernel is 1.34x
-    # cuBLAS's speed at M = 64 (geomean, 1.15-1.57x; NOTES run 19), 0.83x at M = 256; a probe
-    # at M = 32: 1.30x (benchmarks/NOTES.md, run 16).
-    fp8_max_m: int = 64
+    # _scaled_mm is the faster. The measured rule is the ops' own (kernels/launch.py).
+    fp8_max_m: int = FP8_CUBLAS_ABOVE_M
     # Pattern families to run, by module name (int_mm, blockwise, scaled_mm, dequant_mm).
     patterns: tuple = tuple(PATTERNS)
     # Compiled decode launches split K only inside Inductor's CUDA graphs (fusepass.kernels.
     # launch.decode_splits): outside them each split costs a launch. True where the caller
     # captures the compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor
-    # cannot see.
+    # cannot see. (The backend applies it to op calls AOTAutograd traces too; stock Inductor
+    # with inductor_options() to the calls the pass makes.)
     split_k_outside_cuda_graphs: bool = False
     # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v) at a static M up to this
     # run as one scaled_mm_group launch (passes/group.py), where decode launches do not split
@@ -119,9 +118,10 @@ class FusePass(CustomGraphPass):
         self.config = config or PassConfig()  # plain data: Inductor deep-copies its config
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.run(graph)
-        if lower(graph):
-            graph.lint()
+        with splitting_outside_graphs(self.config.split_k_outside_cuda_graphs):
+            self.run(graph)
+            if lower(graph):
+                graph.lint()
 
     def run(self, graph: fx.Graph) -> list[Decision]:
         decisions = []

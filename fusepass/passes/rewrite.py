@@ -12,10 +12,9 @@ from ..ops.checks import (
     AZP_DTYPES,
     MAX_K_INT8,
     MAX_K_INT8_AZP,
-    MIN_CAPABILITY,
-    MIN_FP8_CAPABILITY,
     OUT_DTYPES,
     SCALE_DTYPES,
+    gpu_too_old,
 )
 from .epilogue import INT_DTYPES, Epilogue
 from .graph import ASSERT_OPS, Inserter, Rejected, aten, cast_dtype, is_call, prims, tensor_val
@@ -80,10 +79,9 @@ def check_operands(a: fx.Node, b: fx.Node, dtypes, *, azp: bool = False) -> None
         # A symbolic K passes here; the op checks the real K at run time.
         if statically_known_true(va.shape[-1] > max_k):
             raise Rejected(f"K = {va.shape[-1]} exceeds {max_k}, the largest exact for int32 accumulation")
-    if va.device.type == "cuda" and torch.cuda.is_available():  # (fake CUDA graphs trace on CPU hosts)
-        need = MIN_CAPABILITY if va.dtype == torch.int8 else MIN_FP8_CAPABILITY
-        if torch.cuda.get_device_capability(va.device) < need:
-            raise Rejected(f"{va.device} is older than sm_{need[0]}{need[1]}, which {va.dtype} needs")
+    old = gpu_too_old(va.device, va.dtype)
+    if old is not None:
+        raise Rejected(f"{va.device} is older than sm_{old[0][0]}{old[0][1]}, which {va.dtype} needs")
 
 
 def _scales(ins: Inserter, ep: Epilogue, device):

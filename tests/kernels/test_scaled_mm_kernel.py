@@ -244,20 +244,31 @@ def test_decode_splits_only_where_launches_are_hidden(table_dir):
 @pytest.mark.parametrize("cudagraphs", [False, True], ids=["default", "cudagraphs"])
 @pytest.mark.parametrize("outside", [False, True], ids=["", "split_k_outside_cuda_graphs"])
 def test_decode_splits_where_launches_are_hidden(cudagraphs, outside):
-    """Traced: with Inductor's cudagraphs option, or the installed pass's override (read from
-    Inductor's config, as while it compiles with the pass), never for a symbolic M (its cond
-    runs outside CUDA graphs) but with the override; eagerly always."""
-    import fusepass
+    """Traced: with Inductor's cudagraphs option, or where the pass or the backend says the
+    caller captures (``splitting_outside_graphs``), never for a symbolic M (its cond runs
+    outside CUDA graphs) but then; eagerly always."""
     from torch._inductor import config as inductor_config
 
-    options = fusepass.inductor_options({"triton.cudagraphs": cudagraphs},
-                                        config=fusepass.PassConfig(split_k_outside_cuda_graphs=outside))
-    with inductor_config.patch(options):
+    with inductor_config.patch({"triton.cudagraphs": cudagraphs}), launch.splitting_outside_graphs(outside):
         assert launch.decode_splits(True, symbolic_m=False) is (cudagraphs or outside)
         assert launch.decode_splits(True, symbolic_m=True) is outside
         assert launch.decode_splits(False, symbolic_m=False) is True
-    with inductor_config.patch({"triton.cudagraphs": cudagraphs}):  # no fusepass pass installed
+    with inductor_config.patch({"triton.cudagraphs": cudagraphs}):  # (the context undone)
         assert launch.decode_splits(True, symbolic_m=False) is cudagraphs
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_the_pass_hands_its_split_decision_to_the_launches(outside, monkeypatch):
+    """FusePass lowers its calls with its config's split_k_outside_cuda_graphs in force."""
+    import torch.fx as fx
+
+    import fusepass
+    from fusepass.passes import fuse_pass
+
+    seen = []
+    monkeypatch.setattr(fuse_pass, "lower", lambda graph: seen.append(launch.SPLIT_OUTSIDE_GRAPHS.get()) or 0)
+    fusepass.FusePass(fusepass.PassConfig(split_k_outside_cuda_graphs=outside))(fx.Graph())
+    assert seen == [outside] and launch.SPLIT_OUTSIDE_GRAPHS.get() is False
 
 
 def test_launch_asks_for_the_split_the_policy_gives(monkeypatch):

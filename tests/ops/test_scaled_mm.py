@@ -84,6 +84,26 @@ def test_k_zero_gives_bias():
     assert torch.equal(out, p.bias.expand(3, 5))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_k_zero_with_infinite_scales_is_zero(dtype, compiled):
+    """As PyTorch's own _scaled_mm test of an empty K: an empty sum is zero whatever the scales
+    (not inf * 0 = NaN), for both ops, eager and through the backend."""
+    a, b = torch.empty(4, 0, dtype=dtype), torch.empty(0, 6, dtype=dtype)
+    inf_a, inf_b = torch.full((4, 1), float("inf")), torch.full((1, 6), float("inf"))
+
+    def both(a, b, sa, sb):
+        out = [torch.ops.fusepass.scaled_mm(a, b, sa, sb, torch.bfloat16)]
+        if a.dtype == torch.int8:
+            out.append(torch.ops.fusepass.scaled_mm_azp(a, b, sa, sb, torch.bfloat16, torch.zeros(6, dtype=torch.int32),
+                                                        torch.ones(4, dtype=torch.int32)))
+        return out
+
+    fn = torch.compile(both, backend="fusepass", fullgraph=True) if compiled else both
+    for out in fn(a, b, inf_a, inf_b):
+        assert out.dtype == torch.bfloat16 and torch.equal(out, torch.zeros(4, 6, dtype=torch.bfloat16))
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_bf16_and_fp16_scales_are_their_fp32_values(device, scale_dtype):
