@@ -94,6 +94,23 @@ def test_demo_loads_a_checkpoint_with_handwritten_linears(tmp_path, capsys):
     _check_accuracy_and_tokens(out, 4)
 
 
+def test_demo_runs_a_compressed_tensors_checkpoint(tmp_path, capsys):
+    """--model PATH to a W8A8 checkpoint in the compressed-tensors format: its own scheme (no
+    --quant), prepared, every quantized linear fused, reported as for the others."""
+    pytest.importorskip("compressed_tensors")
+    from tests import ct_checkpoints as ct
+
+    path, _ = ct.build(tmp_path, "W8A8")
+    argv = ["demo", "--device", "cpu", "--model", str(path), "--prompt-len", "16", "--new-tokens", "4", "--batch", "1"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "fusepass.prepare: 14 quantized linears converted (int8 14)" in out, out
+    assert "W8A8: every linear the checkpoint's own (compressed-tensors;" in out, out
+    s = _summaries(out)
+    assert s == {"prefill b1": (14, 14, 0), "decode b1": (14, 14, 0)}, out
+    _check_accuracy_and_tokens(out, 4)
+
+
 @pytest.mark.gpu
 def test_demo_on_cuda_with_the_speed_table_and_its_plot(tmp_path, capsys):
     """The CUDA path at small sizes: the prefill compiled too, the speed table (bf16, stock

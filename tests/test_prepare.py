@@ -162,7 +162,7 @@ def test_prepare_leaves_other_schemes_with_the_reason(config, why, caplog):
     assert not report.converted and set(report.left) == {"0", "1"}
     assert all(why in reason for reason in report.left.values()), report.left
     assert f"left 0: {report.left['0']}" in str(report)
-    assert "left 0 as it is" in caplog.text
+    assert "left 2 quantized linears as they are: " in caplog.text and report.left["0"] in caplog.text
     assert type(model[0]) is nn.Linear  # untouched
 
 

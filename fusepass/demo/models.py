@@ -105,14 +105,34 @@ def checkpoint(name: str) -> str:
     return name
 
 
-def load_pretrained(name: str, device: torch.device) -> nn.Module:
-    """``from_pretrained`` of a local directory or a hub id (needs the network), in bf16.
-    Raises SystemExit with a one-line reason where it cannot."""
+def prequantized(name: str) -> str | None:
+    """The quantization method of a local checkpoint that is already W8A8 (its config's
+    ``quantization_config``: "compressed-tensors"), else None."""
+    import json
+
+    path = os.path.join(os.path.expanduser(name), "config.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        method = json.load(f).get("quantization_config", {}).get("quant_method")
+    return method if method == "compressed-tensors" else None
+
+
+def load_pretrained(name: str, device: torch.device, dequantize: bool = False) -> nn.Module:
+    """``from_pretrained`` of a local directory or a hub id (needs the network), in bf16;
+    ``dequantize``: a compressed-tensors checkpoint's weights dequantized, with no activation
+    quantization (its float model, as near as the checkpoint has one). Raises SystemExit with
+    a one-line reason where it cannot."""
     from transformers import AutoModelForCausalLM
 
     try:
         name = checkpoint(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+        kwargs = {}
+        if dequantize:
+            from transformers import CompressedTensorsConfig
+
+            kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, **kwargs)
     except (OSError, ValueError, KeyError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SystemExit(f"fusepass demo: cannot load --model {name}: {reason}") from None

@@ -17,13 +17,14 @@ import torch
 
 # The backend object, not its name: the demo also runs from a source tree (no entry point).
 from ..backend import fusepass_backend
+from ..integrations import prepare
 from . import models
 
 # Defaults by device: a tiny model on CPU (Inductor compiles C++ there, slowly); on CUDA,
-# Llama-3-8B-sized layers (a smaller vocabulary, to save memory).
+# Llama-3-8B's full size: a cost per quantized weight shows only at full depth.
 CPU_DEFAULTS = dict(layers=2, hidden_size=256, intermediate_size=512, heads=4, kv_heads=2, vocab_size=1024,
                     prompt_len=32, new_tokens=16, batch=4)
-CUDA_DEFAULTS = dict(layers=4, hidden_size=4096, intermediate_size=14336, heads=32, kv_heads=8, vocab_size=32000,
+CUDA_DEFAULTS = dict(layers=32, hidden_size=4096, intermediate_size=14336, heads=32, kv_heads=8, vocab_size=128256,
                      prompt_len=2048, new_tokens=32, batch=16)
 
 
@@ -67,11 +68,11 @@ def run(o: Options) -> int:
         # torchao 0.17 warns of its own deprecated classes at each quantize and trace.
         warnings.filterwarnings("ignore", message="Deprecation: ", category=UserWarning)
         warnings.filterwarnings("ignore", category=SyntaxWarning)  # (torchao 0.17 docstrings, at import)
-        model, qmodel, ids = _build(o)
-        reports = _fusion(o, qmodel, ids)
-        ok = _accuracy(o, model, qmodel, ids[:1])
+        model, qmodel, fmodel, ids = _build(o)
+        reports = _fusion(o, fmodel, ids)
+        ok = _accuracy(o, model, qmodel, fmodel, ids[:1])
         if o.speed:
-            _speed(o, model, qmodel, ids)
+            _speed(o, model, qmodel, fmodel, ids)
     decisions = [d for r in reports.values() for d in r.decisions]
     partial = sum(bool(getattr(d, "partial", False)) for d in decisions)
     if decisions and all(d.fused for d in decisions):
@@ -88,27 +89,43 @@ def _batches(o: Options) -> tuple[int, ...]:
 
 
 def _build(o: Options):
-    """The bf16 model, its W8A8 copy, and random prompts [batch, prompt_len]."""
-    with step("importing transformers" + " and torchao" * (o.quantizer == "torchao")), models.quiet_imports():
-        if o.quantizer == "torchao":
+    """The bf16 model, its W8A8 copy as the user has it (run eagerly and by stock
+    torch.compile), the same made ready for fusepass (``fusepass.prepare``: the model the
+    demo compiles with the backend; the hand-written linears need nothing), and random
+    prompts [batch, prompt_len]. A compressed-tensors checkpoint is its own W8A8 model; its
+    bf16 model is the checkpoint dequantized."""
+    checkpoint = o.model is not None and models.prequantized(o.model)
+    with step("importing transformers" + " and torchao" * (o.quantizer == "torchao" and not checkpoint)), \
+            models.quiet_imports():
+        if o.quantizer == "torchao" and not checkpoint:
             import torchao  # noqa: F401
         import transformers
 
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
-    with step("building the bf16 model and its W8A8 copy"), models.quiet_imports():
-        if o.model is None:
-            model = models.random_llama(o.sizes, o.prompt_len + o.new_tokens, o.device, o.seed)
+    with step("building the bf16 model and its W8A8 copies") as note, models.quiet_imports():
+        if checkpoint:
+            model = models.load_pretrained(o.model, o.device, dequantize=True)
+            qmodel, fmodel = (models.load_pretrained(o.model, o.device) for _ in range(2))
         else:
-            model = models.load_pretrained(o.model, o.device)
-        qmodel = models.quantized_copy(model, o.quant, o.quantizer)
+            model = (models.random_llama(o.sizes, o.prompt_len + o.new_tokens, o.device, o.seed) if o.model is None
+                     else models.load_pretrained(o.model, o.device))
+            qmodel = models.quantized_copy(model, o.quant, o.quantizer)
+            fmodel = models.quantized_copy(model, o.quant, o.quantizer) if o.quantizer == "torchao" else qmodel
+        if fmodel is not qmodel:
+            note["result"] = str(prepare(fmodel)).splitlines()[0]
         ids = models.prompt(model, o.batch, o.prompt_len, o.seed)
-    how = (f"torchao {models.TORCHAO_CONFIGS[o.quant]}" if o.quantizer == "torchao"
-           else "the hand-written QuantLinear (fusepass/demo/handwritten.py)")
+    if checkpoint:
+        how = f"the checkpoint's own ({checkpoint}; the bf16 model: its weights dequantized)"
+    elif o.quantizer == "torchao":
+        how = f"quantized by torchao {models.TORCHAO_CONFIGS[o.quant]}"
+    else:
+        how = "quantized by the hand-written QuantLinear (fusepass/demo/handwritten.py)"
     source = "random weights from a config" if o.model is None else o.model
+    quant = "" if checkpoint else f" {o.quant}"
     print(f"\nfusepass demo on {o.device}: {models.describe(model)} ({source}), bf16;\n"
-          f"W8A8 {o.quant}: every linear quantized by {how}\n")
-    return model, qmodel, ids
+          f"W8A8{quant}: every linear {how}\n")
+    return model, qmodel, fmodel, ids
 
 
 def _fusion(o: Options, qmodel, ids):
@@ -125,9 +142,10 @@ def _fusion(o: Options, qmodel, ids):
     return reports
 
 
-def _accuracy(o: Options, model, qmodel, prompt) -> bool:
-    """Greedy generation compiled with fusepass, eager quantized and bf16; the compiled
-    model's logits vs bf16's next to eager's. False if the compiled run failed."""
+def _accuracy(o: Options, model, qmodel, fmodel, prompt) -> bool:
+    """Greedy generation of ``fmodel`` compiled with fusepass, of ``qmodel`` eager and of
+    bf16; the compiled model's logits vs bf16's next to eager's. False if the compiled run
+    failed."""
     from .accuracy import forced_logits, format_accuracy, greedy
 
     # Inductor compiles C++ on a CPU, slowly: there only the decode step (the graph generate
@@ -136,7 +154,7 @@ def _accuracy(o: Options, model, qmodel, prompt) -> bool:
     what = "prefill and decode" if compile_prefill else "the decode step"
     with step(f"greedy generation, {o.new_tokens} token{'s' * (o.new_tokens > 1)}: compiling with "
               f"backend=fusepass ({what})"):
-        fused = greedy("fusepass-compiled", qmodel, prompt, o.new_tokens, fusepass_backend, compile_prefill)
+        fused = greedy("fusepass-compiled", fmodel, prompt, o.new_tokens, fusepass_backend, compile_prefill)
     with step("greedy generation: eager quantized and bf16 models"):
         eager = greedy("eager quantized", qmodel, prompt, o.new_tokens)
         bf16 = greedy("bf16", model, prompt, o.new_tokens)
@@ -148,14 +166,14 @@ def _accuracy(o: Options, model, qmodel, prompt) -> bool:
     return not fused.error
 
 
-def _speed(o: Options, model, qmodel, ids) -> None:
+def _speed(o: Options, model, qmodel, fmodel, ids) -> None:
     """The speed table (and its plot): bf16, stock torch.compile and fusepass."""
     from .timing import format_table, measure
 
-    quant = f"W8A8 {o.quant} ({o.quantizer})"
+    quant = "W8A8 (checkpoint)" if o.model is not None and models.prequantized(o.model) else f"W8A8 {o.quant} ({o.quantizer})"
     ours = f"{quant}, fusepass"
     variants = [("bf16, torch.compile", model, {}), (f"{quant}, torch.compile", qmodel, {}),
-                (ours, qmodel, {"backend": fusepass_backend})]
+                (ours, fmodel, {"backend": fusepass_backend})]
     table = measure(variants, ids, _batches(o), o.prompt_len + o.new_tokens, step)
     print(f"\n{format_table(table, ours)}\n")
     if o.plot:

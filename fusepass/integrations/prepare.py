@@ -15,7 +15,12 @@ What it converts (the checkpoint's quantized values and scales, never re-quantiz
 - torchao ``Int8Tensor`` weights with dynamic per-token activations
   (``Int8DynamicActivationInt8WeightConfig``, symmetric or asymmetric activations);
 - torchao ``Float8Tensor`` weights with per-row scales and dynamic per-token e4m3 activations
-  (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``).
+  (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``);
+- compressed-tensors checkpoints as ``transformers``' ``from_pretrained`` loads them (before
+  or after their first forward): int8 per-channel weights with dynamic per-token activations,
+  symmetric ("W8A8") or asymmetric, and fp8 per-channel weights with dynamic per-token
+  activations ("FP8_DYNAMIC"); the activation scales as compressed-tensors computes them
+  (amax / 127.5, amax / 448). Its decompression hook and offload wrappers go.
 
 Anything else quantized (weight-only, per-group, static or pre-scaled activations, another
 library's type) is left as it is, and the returned ``Preparation`` says why, by module.
@@ -103,13 +108,72 @@ def _torchao(w) -> _Quantized | str | None:
     return _Quantized(w.qdata.detach(), w.scale.detach().float().reshape(N), act)
 
 
-# Formats prepare recognizes: each maps a linear's weight to its values, a reason, or None.
-FORMATS = (_torchao,)
+def _describe_ct(scheme) -> str:
+    def args(a, activations=False):
+        if a is None:
+            return "none"
+        kind = f"{a.type}{a.num_bits}{'' if a.symmetric else ' asymmetric'} per {a.strategy}"
+        return kind + (" " + ("dynamic" if a.dynamic is True else "static") if activations else "")
+    return (f"compressed-tensors weights {args(scheme.weights)}, "
+            f"activations {args(scheme.input_activations, activations=True)}")
+
+
+def _compressed_tensors(linear: nn.Linear) -> _Quantized | str | None:
+    """A compressed-tensors linear's checkpoint values (as ``from_pretrained`` loads them: an
+    int8 / fp8 weight and its ``weight_scale``; or after a first forward, the weight
+    decompressed to ``q * scale``, from which ``q`` comes back exactly), or why not."""
+    scheme = getattr(linear, "quantization_scheme", None)
+    if scheme is None or not type(scheme).__module__.startswith("compressed_tensors"):
+        return None
+    w, a, name = scheme.weights, scheme.input_activations, _describe_ct(scheme)
+    if w is None or a is None or w.num_bits != 8 or a.num_bits != 8 or w.type != a.type:
+        return f"{name}: not W8A8 (8-bit weights and activations of one type)"
+    if str(w.strategy) != "channel" or not w.symmetric:
+        return f"{name}: only symmetric per-channel weight scales"
+    if str(a.strategy) != "token" or a.dynamic is not True:
+        return f"{name}: only dynamic per-token activations"
+    fp8 = w.type == "float"
+    if fp8 and not a.symmetric:
+        return f"{name}: fp8 activations with a zero point"
+    weight, N = linear.weight.detach(), linear.weight.shape[0]
+    scale = linear.weight_scale.detach().float().reshape(-1)
+    if scale.numel() != N:
+        return f"{name}: weight_scale of shape {tuple(linear.weight_scale.shape)} for {N} channels"
+    target = torch.float8_e4m3fn if fp8 else torch.int8
+    if weight.dtype != target:  # decompressed by a first forward: q * scale in the model's dtype
+        q = weight.float() / scale[:, None]
+        q = q.clamp(-448.0, 448.0).to(target) if fp8 else q.round().clamp(-128, 127).to(target)
+        if not torch.equal((q.float() * scale[:, None]).to(weight.dtype), weight):
+            return f"{name}: a {weight.dtype} weight that is not {target} values times weight_scale"
+        weight = q
+    return _Quantized(weight, scale, Act("fp8" if fp8 else "int8" if a.symmetric else "int8-asym"))
+
+
+def _undo_compressed_tensors(model: nn.Module, left: list[nn.Module]) -> None:
+    """What compressed-tensors puts on a loaded model that stops Dynamo: the hook that
+    decompresses every weight at the first forward (its linears left as they are are
+    decompressed now instead), and the offload wrappers that forward installs on every module
+    (their data-pointer checks break the graph on every call)."""
+    from compressed_tensors.compressors.base import decompress_module
+    from compressed_tensors.offload.dispatch import remove_dispatch
+
+    compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
+    if compressor is not None:
+        compressor.remove_decompression_hook(model)
+    remove_dispatch(model)
+    for module in left:
+        status = getattr(module, "quantization_status", None)
+        if getattr(status, "value", status) == "compressed":
+            decompress_module(module)
+
+
+# Formats prepare recognizes: each maps a linear to its values, a reason, or None.
+FORMATS = (lambda linear: _torchao(getattr(linear, "weight", None)), _compressed_tensors)
 
 
 def _recognize(linear: nn.Linear) -> _Quantized | str | None:
     for fmt in FORMATS:
-        found = fmt(linear.weight)
+        found = fmt(linear)
         if found is not None:
             return found
     return None
@@ -132,6 +196,9 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
     Call it once, after quantizing (or loading) and before ``torch.compile``; the model then
     runs in eager too, on fusepass's ops."""
     report = Preparation()
+    if any(hasattr(m, "quantization_scheme") for m in model.modules()):
+        _undo_compressed_tensors(model, [m for m in model.modules() if isinstance(m, nn.Linear)
+                                         and isinstance(_compressed_tensors(m), str)])
     for parent_path, parent in list(model.named_modules()):
         # the children to convert, grouped by what one shared buffer needs in common
         groups: dict[tuple, list] = defaultdict(list)
@@ -142,7 +209,7 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
             found = _recognize(child)
             if isinstance(found, str):
                 report.left[path] = found
-                log.warning("fusepass.prepare: left %s as it is: %s", path, found)
+                log.debug("fusepass.prepare: left %s as it is: %s", path, found)
             elif found is not None:
                 bias = child.bias
                 key = (found.act, found.weight.shape[1], found.weight.device,
@@ -158,5 +225,9 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
                 lo = hi
             if len(members) > 1:
                 report.joined.append([f"{parent_path}.{m[0]}" if parent_path else m[0] for m in members])
+    if report.left:
+        reasons = sorted(set(report.left.values()))
+        log.warning("fusepass.prepare: left %d quantized linear%s as %s: %s", len(report.left),
+                    "s" * (len(report.left) != 1), "they are" if len(report.left) != 1 else "it is", "; ".join(reasons))
     log.info("%s", report)
     return report
