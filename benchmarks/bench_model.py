@@ -9,7 +9,8 @@ at Llama-3-8B's size (32 layers, hidden 4096, intermediate 14336, 32/8 heads, vo
 ``--layers`` deep, lm_head in bf16. Variants (``VARIANTS``): bf16 under stock
 ``torch.compile``; torchao's W8A8 under stock ``torch.compile``; torchao's W8A8 through
 ``fusepass.prepare`` and ``backend="fusepass"``; the same without ``prepare``; the
-hand-written form (``demo/handwritten.py``) under fusepass. Steps: prefill of ``--prefill``
+hand-written form (``demo/handwritten.py``) under fusepass; a compressed-tensors checkpoint
+(W8A8, FP8_DYNAMIC) as transformers runs it, and through ``prepare`` and fusepass. Steps: prefill of ``--prefill``
 tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64 against a
 ``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``).
 
@@ -55,6 +56,11 @@ VARIANTS = {
     "fp8": ("fp8", "torchao", "fusepass", True),
     "int8-unprepared": ("int8", "torchao", "fusepass", False),
     "int8-handwritten": ("int8", "handwritten", "fusepass", False),
+    # a compressed-tensors checkpoint as transformers runs it, and through prepare + fusepass
+    "ct-int8": ("int8", "compressed-tensors", "inductor", False),
+    "ct-fp8": ("fp8", "compressed-tensors", "inductor", False),
+    "ct-int8-fusepass": ("int8", "compressed-tensors", "fusepass", True),
+    "ct-fp8-fusepass": ("fp8", "compressed-tensors", "fusepass", True),
 }
 MODES = {"default": None, "graphs": "reduce-overhead"}
 STEPS = ("prefill", "b1", "b16", "b64")
@@ -134,10 +140,10 @@ def _profiled(call, graphs: bool, calls: int = 5) -> tuple[float, float]:
 def cell(model, variant: str, mode: str, step: str, ids, cache_len: int, calls: int) -> dict:
     torch._dynamo.reset()
     fn = _compiled(model, variant, mode)
-    call = _call(fn, model, step, ids, cache_len)
     graphs = mode == "graphs"
     row = {"variant": variant, "mode": mode, "step": step}
     try:
+        call = _call(fn, model, step, ids, cache_len)
         with torch.no_grad():
             t = time.perf_counter()
             _timed(call, graphs)

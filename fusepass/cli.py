@@ -110,11 +110,13 @@ def _demo_options(args: argparse.Namespace):
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fusepass demo: --device cuda given but no CUDA GPU is available")
-    needed = ("transformers", "torchao") if args.quantizer == "torchao" else ("transformers",)
+    needed = ("transformers",) + {"torchao": ("torchao",), "compressed-tensors": ("compressed_tensors",)}.get(
+        args.quantizer, ())
     missing = [m for m in needed if importlib.util.find_spec(m) is None]
     if missing:
-        raise SystemExit(f"fusepass demo needs {' and '.join(missing)}: pip install 'fusepass[demo]' "
-                         f"(or: pip install {' '.join(missing)})")
+        names = [m.replace("_", "-") for m in missing]
+        raise SystemExit(f"fusepass demo needs {' and '.join(names)}: pip install 'fusepass[demo]' "
+                         f"(or: pip install {' '.join(names)})")
     if args.quant == "fp8":
         if device.type != "cuda":
             error("--quant fp8 needs a CUDA GPU (fp8 matmuls run on GPUs only); use --quant int8 or int8-asym on CPU")
@@ -171,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=_Formatter)
     d.add_argument("--model", metavar="PATH_OR_ID",
                    help="a checkpoint to load with from_pretrained: a local directory, or a Hugging Face Hub id "
-                        "(needs the network) (default: a LlamaForCausalLM from a config, random weights, "
-                        "sized by the flags below)")
+                        "(needs the network); a W8A8 compressed-tensors checkpoint (llm-compressor's) runs as "
+                        "it is (default: a LlamaForCausalLM from a config, random weights, sized by the flags "
+                        "below)")
     d.add_argument("--quant", choices=QUANTS, default="int8",
                    help="int8: per-token symmetric activations; int8-asym: per-token asymmetric (zero point); "
                         "fp8: row-wise e4m3 (CUDA, compute capability 8.9 or newer). Weights: per-channel symmetric")
@@ -181,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                         "act_mapping_type=MappingType.ASYMMETRIC for int8-asym; "
                         "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()) for fp8), or handwritten: "
                         "torch._int_mm / torch._scaled_mm and the dequantization written out in plain PyTorch "
-                        "(fusepass/demo/handwritten.py)")
+                        "(fusepass/demo/handwritten.py), or compressed-tensors: as a W8A8 checkpoint of its "
+                        "format loads (W8A8, W8A8 with asymmetric activations, FP8_DYNAMIC; lm_head left bf16). "
+                        "torchao and compressed-tensors models go through fusepass.prepare. Ignored for a --model "
+                        "that is a compressed-tensors checkpoint: it is its own W8A8 model")
     d.add_argument("--device", choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
     for flag, what in SIZES + STEPS:
         key = flag.replace("-", "_")

@@ -65,7 +65,7 @@ def test_help_shows_defaults_and_no_markup(argv, capsys):
     out = capsys.readouterr().out
     assert "``" not in out and "(default: None)" not in out
     if argv == ["demo"]:
-        for shown in ("(default: int8)", "(default: torchao)", "(default: 2 on CPU, 4 on CUDA)",
+        for shown in ("(default: int8)", "(default: torchao)", "(default: 2 on CPU, 32 on CUDA)",
                       "(default: 4 on CPU, 16 on CUDA)", "(default: 0)"):
             assert shown in " ".join(out.split()), out
     if argv == ["check"]:

@@ -188,11 +188,13 @@ def test_demo_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
     assert e.value.code != 0 and "--plot needs matplotlib: pip install matplotlib" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["transformers", "torchao"])
-def test_demo_without_its_dependencies(module, monkeypatch):
+@pytest.mark.parametrize(("module", "quantizer"), [("transformers", "torchao"), ("torchao", "torchao"),
+                                                    ("compressed_tensors", "compressed-tensors")])
+def test_demo_without_its_dependencies(module, quantizer, monkeypatch):
     monkeypatch.setitem(sys.modules, module, None)  # as if not installed
-    with pytest.raises(SystemExit, match=rf"fusepass demo needs {module}: pip install 'fusepass\[demo\]'"):
-        cli.main(["demo", "--device", "cpu"])
+    name = module.replace("_", "-")
+    with pytest.raises(SystemExit, match=rf"fusepass demo needs {name}: pip install 'fusepass\[demo\]'"):
+        cli.main(["demo", "--device", "cpu", "--quantizer", quantizer])
 
 
 def test_demo_cuda_without_a_gpu(monkeypatch):

@@ -17,7 +17,10 @@ import torch
 from torch import nn
 
 QUANTS = ("int8", "int8-asym", "fp8")
-QUANTIZERS = ("torchao", "handwritten")
+QUANTIZERS = ("torchao", "handwritten", "compressed-tensors")
+# compressed-tensors' scheme for each --quant (llm-compressor's presets; int8-asym: W8A8 with
+# asymmetric dynamic activations, which the format takes but no preset names)
+CT_SCHEMES = {"int8": "W8A8", "int8-asym": "W8A8_ASYM", "fp8": "FP8_DYNAMIC"}
 # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for
 # the whole process, which made each compile of the CUDA demo model minutes long (bf16 decode
 # step, 4 Llama-3-8B layers on an H200: 165 s vs 4 s) and changes the bf16 baseline's kernels
@@ -139,14 +142,58 @@ def load_pretrained(name: str, device: torch.device, dequantize: bool = False) -
     return model.to(device).eval()
 
 
+def compressed_tensors(model: nn.Module, scheme: str):
+    """``model`` (in place) as a compressed-tensors checkpoint of ``scheme`` (a preset name, or
+    W8A8_ASYM) loads: scheme applied to every linear but lm_head, per-channel weight scales
+    from each weight's min and max (llm-compressor's min-max observer), weights compressed to
+    int8 / fp8, the hook that decompresses them at the first forward in place. Returns the
+    compressor (``save`` writes a checkpoint with it)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 QuantizationStatus, apply_quantization_config, preset_name_to_scheme)
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    preset = preset_name_to_scheme("W8A8" if scheme == "W8A8_ASYM" else scheme, ["Linear"])
+    if scheme == "W8A8_ASYM":
+        preset.input_activations = QuantizationArgs(num_bits=8, type="int", strategy="token", symmetric=False,
+                                                    dynamic=True)
+        preset = QuantizationScheme.model_validate(preset.model_dump())
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": preset}, ignore=["lm_head"]))
+    for m in model.modules():
+        args = getattr(getattr(m, "quantization_scheme", None), "weights", None)
+        if args is None:
+            continue
+        w = m.weight.data.float()
+        scale, zero_point = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
+        m.weight_scale.data.copy_(scale.to(m.weight_scale.dtype))
+        if hasattr(m, "weight_zero_point"):
+            m.weight_zero_point.data.copy_(zero_point.to(m.weight_zero_point.dtype))
+        m.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    return compressor
+
+
+def save_compressed(model: nn.Module, compressor, path) -> None:
+    """A compressed-tensors checkpoint of ``model`` (``compressed_tensors``'s) at ``path``."""
+    compressor.remove_decompression_hook(model)
+    model.save_pretrained(path)
+    compressor.update_config(path)
+
+
 def quantized_copy(model: nn.Module, quant: str, quantizer: str) -> nn.Module:
     """A W8A8 copy of ``model``: every nn.Linear (lm_head included) quantized by torchao's
-    config for ``quant`` (TORCHAO_CONFIGS), or by the hand-written QuantLinear."""
+    config for ``quant`` (TORCHAO_CONFIGS), or by the hand-written QuantLinear; or, by
+    compressed-tensors, every one but lm_head, as its checkpoint of ``CT_SCHEMES[quant]``
+    loads."""
     qmodel = copy.deepcopy(model)
     if quantizer == "handwritten":
         from .handwritten import quantize
 
         return quantize(qmodel, quant)
+    if quantizer == "compressed-tensors":
+        compressed_tensors(qmodel, CT_SCHEMES[quant])
+        return qmodel
     with quiet_imports():
         from torchao.quantization import (
             Float8DynamicActivationFloat8WeightConfig,

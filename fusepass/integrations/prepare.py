@@ -157,9 +157,10 @@ def _undo_compressed_tensors(model: nn.Module, left: list[nn.Module]) -> None:
     from compressed_tensors.compressors.base import decompress_module
     from compressed_tensors.offload.dispatch import remove_dispatch
 
-    compressor = getattr(getattr(model, "hf_quantizer", None), "compressor", None)
-    if compressor is not None:
-        compressor.remove_decompression_hook(model)
+    hook = getattr(model, "ct_decompress_hook", None)  # (ModelCompressor.compress_model's handle)
+    if hook is not None:
+        hook.remove()
+        del model.ct_decompress_hook
     remove_dispatch(model)
     for module in left:
         status = getattr(module, "quantization_status", None)

@@ -1,0 +1,57 @@
+"""benchmarks/bench_model.py on the CPU, at a small size: every variant builds and runs, rows
+append across runs, the report takes ratios within one run, and bad flags are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fusepass.demo import models
+from tests.bench_scripts import load
+
+pytest.importorskip("transformers")
+pytest.importorskip("torchao")
+bench = load("bench_model")
+SMALL = models.Sizes(1, 128, 256, 4, 2, 256)
+
+
+def test_cells_append_and_report(tmp_path):
+    out = str(tmp_path / "model.json")
+    variants = ["bf16", "int8", "int8-asym", "int8-handwritten", "ct-int8-fusepass"]
+    first = bench.run([1], variants, ["default"], ["prefill", "b1"], prefill=8, cache_len=32, calls=2, out=out,
+                      sizes=SMALL, log=lambda _: None)
+    assert len(first) == 2 * len(variants) and not [r for r in first if "error" in r], first
+    assert all(r["step_ms"] > 0 and r["compile_s"] >= 0 and r["layers"] == 1 and r["gpu"] == "CPU" for r in first)
+    second = bench.run([1], ["bf16", "int8"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=out,
+                       sizes=SMALL, log=lambda _: None)
+    rows = json.load(open(out))
+    assert rows == first + second and first[0]["run"] != second[0]["run"]
+    table = bench.report(rows)
+    ratios = [line for line in table.splitlines() if line.startswith("| int8 | default | b1 |")]
+    assert len(ratios) == 2 and all(line.split(" | ")[4].endswith("x") for line in ratios), table
+
+
+def test_a_failing_cell_is_a_row_with_its_error(monkeypatch):
+    def fails(*args):
+        raise RuntimeError("no such step\nmore")
+
+    monkeypatch.setattr(bench, "_call", fails)
+    rows = bench.run([1], ["bf16"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+                     log=lambda _: None)
+    assert rows[0]["error"] == "RuntimeError: no such step"
+    assert "fails: RuntimeError: no such step" in bench.report(rows)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--variants", "int9"], "--variants: unknown ['int9']"),
+    (["--layers", "x"], "--layers: not a comma list of integers"),
+    (["--calls", "30", "--cache", "32"], "--cache (32) must hold --calls + 11 decode steps"),
+    (["--modes", "graphs"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
+    (["--variants", "fp8"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
+])
+def test_bad_flags(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--variants", "bf16", "--modes", "default", *argv])
+    assert message in f"{e.value.code} {capsys.readouterr().err}"
