@@ -183,9 +183,11 @@ class Inserter:
         self.graph = graph
         self.anchor = anchor
         self.created: list[fx.Node] = []
-        self.fake_mode = detect_fake_mode(
-            [n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
-        )
+        # (the graph's one fake mode, from its first fake value: a scan of every node per
+        # rewrite made the pass quadratic in the graph)
+        self.fake_mode = next((v.fake_mode for v in (n.meta.get("val") for n in graph.nodes)
+                               if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")), None) \
+            or detect_fake_mode([n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)])
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.anchor):

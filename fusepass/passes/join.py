@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._inductor.pattern_matcher import stable_topological_sort
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
 from .graph import VIEW_OPS, Inserter, aten, is_call, prims, tensor_val
@@ -96,10 +95,13 @@ def _member(node: fx.Node, ids: dict):
     return tuple(key), lo, hi
 
 
-def _replace(graph: fx.Graph, members: list, ranges: dict) -> None:
-    """``members`` in graph order; ``ranges``: each one's (lo, hi)."""
+def _replace(graph: fx.Graph, members: list, ranges: dict, ins: Inserter) -> None:
+    """``members`` in graph order; ``ranges``: each one's (lo, hi). The joined call goes
+    before the first member, whose operands (and the buffers, graph inputs) come before it,
+    as every member's users come after it: the graph stays in order, with no sort (a sort per
+    join made the pass quadratic in the graph: 2.1 of its 7.3 s at 32 layers)."""
     lo0, hi_n = min(r[0] for r in ranges.values()), max(r[1] for r in ranges.values())
-    ins = Inserter(graph, members[-1])
+    ins.anchor = members[0]
     args = _args(members[0])
     cut = lambda x: ins.call(aten.slice.Tensor, _rows(x)[0], 0, lo0, hi_n)  # noqa: E731
     new = list(args)
@@ -110,12 +112,15 @@ def _replace(graph: fx.Graph, members: list, ranges: dict) -> None:
     dtypes = {_args(m)[_OUT_DTYPE] for m in members}
     new[_OUT_DTYPE] = dtypes.pop() if len(dtypes) == 1 else torch.float32
     out = ins.call(members[0].target, *new)
+    parts = []
     for member in members:
         lo, hi = ranges[member]
         part = ins.call(aten.slice.Tensor, out, 1, lo - lo0, hi - lo0)
         if _args(member)[_OUT_DTYPE] != new[_OUT_DTYPE]:
             part = ins.call(prims.convert_element_type.default, part, _args(member)[_OUT_DTYPE])
         part.meta["stack_trace"] = member.meta.get("stack_trace")
+        parts.append(part)
+    for member, part in zip(members, parts, strict=True):  # (the anchor goes last: nothing more before it)
         member.replace_all_uses_with(part)
         graph.erase_node(member)
 
@@ -133,6 +138,8 @@ def join_siblings(graph: fx.Graph) -> list[list[str]]:
         if found is not None:
             by_key.setdefault(found[0], []).append((found[1], found[2], node))
     done = []
+    position = {n: i for i, n in enumerate(graph.nodes)}  # (joins insert nodes, move none)
+    ins = Inserter(graph, calls[0])
     for entries in by_key.values():
         entries.sort(key=lambda e: e[:2])
         run = [entries[0]]
@@ -141,11 +148,9 @@ def join_siblings(graph: fx.Graph) -> list[list[str]]:
                 run.append(entry)
                 continue
             if len(run) >= 2:
-                position = {n: i for i, n in enumerate(graph.nodes)}
                 nodes = sorted((e[2] for e in run), key=position.__getitem__)
                 if len(_independent(nodes)) == len(nodes):
                     done.append([n.name for n in nodes])
-                    _replace(graph, nodes, {e[2]: e[:2] for e in run})
-                    stable_topological_sort(graph)
+                    _replace(graph, nodes, {e[2]: e[:2] for e in run}, ins)
             run = [entry]
     return done
