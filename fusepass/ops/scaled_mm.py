@@ -114,6 +114,27 @@ for _name, _impl in (("scaled_mm", scaled_mm_impl), ("scaled_mm_azp", scaled_mm_
     IMPLS[getattr(torch.ops.fusepass, _name).default] = _impl
 
 
+# Fake implementations: the checks and the output's metadata, no arithmetic. Without them a
+# fake call ran the whole implementation on fake tensors (the CPU reference, or the launch's
+# config choice), 6 ms a call: 1.8 s of the pass's 2.8 s on a 32-layer graph (CPU).
+@torch.library.register_fake("fusepass::scaled_mm")
+def _scaled_mm_fake(a, b, scale_a, scale_b, out_dtype, bias=None):
+    check_scaled_mm_args("fusepass.scaled_mm", a, b, scale_a, scale_b, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("fusepass::scaled_mm_azp")
+def _scaled_mm_azp_fake(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None):
+    check_scaled_mm_args("fusepass.scaled_mm_azp", a, b, scale_a, scale_b, out_dtype, bias, azp_adj, azp, with_azp=True)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@torch.library.register_fake("fusepass::int_mm")
+def _int_mm_fake(a, b):
+    check_int_mm_args("fusepass.int_mm", a, b)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.int32)
+
+
 # --- Python wrappers ---------------------------------------------------------------------
 
 
