@@ -15,7 +15,8 @@ tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64 against a
 ``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``).
 
 Per cell (variant, mode, step), each compiled afresh with ``dynamic=False``:
-- ``compile_s``: the first call (compile and run), wall time;
+- ``compile_s``: the first call (compile and run), wall time (``--profile-compile DIR``: under
+  cProfile, its stats in DIR);
 - ``step_ms``: the median of ``--calls`` calls after 5, CUDA events around each call (host time
   included, as a user's loop sees it);
 - ``kernel_ms`` and ``kernels``: the GPU kernels' time and count per call (``torch.profiler``,
@@ -137,7 +138,20 @@ def _profiled(call, graphs: bool, calls: int = 5) -> tuple[float, float]:
     return sum(e.device_time for e in kernels) / 1e3 / calls, len(kernels) / calls
 
 
-def cell(model, variant: str, mode: str, step: str, ids, cache_len: int, calls: int) -> dict:
+def _first_call(call, graphs: bool, profile: str | None) -> None:
+    """The first call (compile and run); ``profile``: under cProfile, its stats written there."""
+    if profile is None:
+        _timed(call, graphs)
+        return
+    import cProfile
+
+    with cProfile.Profile() as prof:
+        _timed(call, graphs)
+    prof.dump_stats(profile)
+
+
+def cell(model, variant: str, mode: str, step: str, ids, cache_len: int, calls: int,
+         profile: str | None = None) -> dict:
     torch._dynamo.reset()
     fn = _compiled(model, variant, mode)
     graphs = mode == "graphs"
@@ -146,7 +160,7 @@ def cell(model, variant: str, mode: str, step: str, ids, cache_len: int, calls: 
         call = _call(fn, model, step, ids, cache_len)
         with torch.no_grad():
             t = time.perf_counter()
-            _timed(call, graphs)
+            _first_call(call, graphs, profile)
             row["compile_s"] = round(time.perf_counter() - t, 1)
             for _ in range(5):
                 _timed(call, graphs)
@@ -163,9 +177,11 @@ def cell(model, variant: str, mode: str, step: str, ids, cache_len: int, calls: 
 
 
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
-        cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, log=print) -> list[dict]:
+        cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, profile_dir: str | None = None,
+        log=print) -> list[dict]:
     """Time every (depth, variant, mode, step) cell; ``sizes``: the model's but for its depth.
-    On a CPU (tests: a small ``sizes``) cells have wall times only."""
+    On a CPU (tests: a small ``sizes``) cells have wall times only. ``profile_dir``: each
+    cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
@@ -173,11 +189,13 @@ def run(layers: list[int], variants: list[str], modes: list[str], steps: list[st
     rows = []
     for depth in layers:
         sizes = dataclasses.replace(sizes, layers=depth)
-        rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log)
+        rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
+                           profile_dir)
     return rows
 
 
-def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log) -> list[dict]:
+def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
+               profile_dir) -> list[dict]:
     with models.quiet_imports(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = models.random_llama(sizes, max(cache_len, prefill), device, 0)
@@ -189,7 +207,10 @@ def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls,
             log(f"[{sizes.layers} layers] {variant}: built in {time.perf_counter() - t:.1f} s")
             for mode in modes:
                 for step in steps:
-                    row = {**meta, "layers": sizes.layers, **cell(model, variant, mode, step, ids, cache_len, calls)}
+                    profile = (os.path.join(profile_dir, f"{sizes.layers}-{variant}-{mode}-{step}.prof")
+                               if profile_dir else None)
+                    row = {**meta, "layers": sizes.layers,
+                           **cell(model, variant, mode, step, ids, cache_len, calls, profile)}
                     rows.append(row)
                     log(f"[{sizes.layers} layers] {variant} {mode} {step}: {_line(row)}")
                     if out:
@@ -285,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", type=int, default=1024, help="StaticCache slots of a decode step")
     ap.add_argument("--calls", type=int, default=20, help="timed calls per cell (median)")
     ap.add_argument("--out", default=None, help="append the rows to this JSON list")
+    ap.add_argument("--profile-compile", metavar="DIR", default=None,
+                    help="profile each cell's first call (the compile) with cProfile into DIR "
+                         "(read with python -m pstats)")
     ap.add_argument("--report", default=None, help="print the tables of this JSON list (no run)")
     ap.add_argument("--plot", default=None, help="with --report: also plot it to this PNG")
     args = ap.parse_args(argv)
@@ -303,12 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     variants = _csv(args.variants, VARIANTS, "--variants")
     modes = _csv(args.modes, MODES, "--modes")
     steps = _csv(args.steps, STEPS, "--steps")
+    if args.profile_compile and not os.path.isdir(args.profile_compile):
+        ap.error(f"--profile-compile {args.profile_compile}: no such directory")
     if not torch.cuda.is_available() and ("graphs" in modes or {"fp8", "fp8-stock"} & set(variants)):
         ap.error("CUDA graphs and the fp8 variants need a CUDA GPU")
     if args.calls + 11 > args.cache:
         ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps")
     rows = run(layers, variants, modes, steps, prefill=args.prefill, cache_len=args.cache, calls=args.calls,
-               out=args.out)
+               out=args.out, profile_dir=args.profile_compile)
     print(report(rows))
     return 0
 

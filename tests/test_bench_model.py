@@ -32,6 +32,15 @@ def test_cells_append_and_report(tmp_path):
     assert len(ratios) == 2 and all(line.split(" | ")[4].endswith("x") for line in ratios), table
 
 
+def test_profile_compile_writes_the_first_calls_stats(tmp_path):
+    import pstats
+
+    bench.run([1], ["int8"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+              profile_dir=str(tmp_path), log=lambda _: None)
+    stats = pstats.Stats(str(tmp_path / "1-int8-default-b1.prof"))
+    assert any(func[2] == "fusepass_backend" for func in stats.stats), "the compile was profiled"
+
+
 def test_a_failing_cell_is_a_row_with_its_error(monkeypatch):
     def fails(*args):
         raise RuntimeError("no such step\nmore")
@@ -49,6 +58,7 @@ def test_a_failing_cell_is_a_row_with_its_error(monkeypatch):
     (["--calls", "30", "--cache", "32"], "--cache (32) must hold --calls + 11 decode steps"),
     (["--modes", "graphs"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
     (["--variants", "fp8"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
+    (["--profile-compile", "/no/such/dir"], "--profile-compile /no/such/dir: no such directory"),
 ])
 def test_bad_flags(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
