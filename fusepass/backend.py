@@ -87,7 +87,7 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     # fp32). The fused ops take the activation's quantized values, scale and zero point from
     # Inductor's kernels; without it a torchao int8-asym Llama layer's batch-1 logits were
     # 2.94e-2 from the float model's against eager torchao's 2.29e-2; with it 2.25e-2
-    # (relative error, H200, benchmarks/NOTES.md run 6). An explicit False is kept.
+    # (relative error, H200). An explicit False is kept.
     opts.setdefault("emulate_precision_casts", True)
     hook = opts.get(_HOOK, getattr(torch._inductor.config, _HOOK))
     found = _fusepass_in(hook)
@@ -137,7 +137,8 @@ def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict 
     _hint_prepare(example_inputs)
     options = inductor_options(patches)
     # (op calls AOTAutograd traces before the pass runs take the pass's split decision too)
-    with decode_reductions(patches), splitting_outside_graphs(_fusepass_in(options[_HOOK]).config.split_k_outside_cuda_graphs):
+    split = _fusepass_in(options[_HOOK]).config.split_k_outside_cuda_graphs
+    with decode_reductions(patches), splitting_outside_graphs(split):
         compiled = compile_fx(gm, example_inputs, config_patches=options)
     (ours_now, inductor_now) = _counts()
     counters["fusepass"].update((inductor_now - inductor) - (ours_now - ours))  # replayed, not counted

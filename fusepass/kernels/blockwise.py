@@ -9,7 +9,7 @@ they cannot wait for the epilogue: each group is summed into an fp32 partial (``
 BLOCK_K`` dots; BLOCK_K divides 128), which is scaled by ``scale_a[:, g] x scale_b[g, :]`` and
 added to the fp32 accumulator one group late: group g's dots are issued before group g-1's
 partial is scaled, so the MMAs need not wait for each scaling (1.03-1.27x faster at M >= 256,
-1.06-1.21x at M <= 64, H200; benchmarks/NOTES.md, run 7). Hopper's fp8 MMAs add at reduced
+1.06-1.21x at M <= 64, H200). Hopper's fp8 MMAs add at reduced
 precision, so the partial is promoted to fp32 every BLOCK_K (``max_num_imprecise_acc``), as
 in ``scaled_mm.py``.
 
@@ -82,7 +82,7 @@ def blockwise_mm_kernel(
     step_b = tl.cast(stride_bk, tl.int64) * BLOCK_K
     # The scales of the first K group: a column of scale_a, and scale_b's value for this tile's
     # N block (a BLOCK_N dividing 128 keeps a tile inside one block: one scalar, 1.05-1.16x
-    # faster than a vector with 64x128 tiles at M >= 1024 on an H200, NOTES.md run 6) or, for
+    # faster than a vector with 64x128 tiles at M >= 1024 on an H200) or, for
     # a wider tile, one value per column.
     step_sa = tl.cast(stride_sag, tl.int64)
     step_sb = tl.cast(stride_sbg, tl.int64)

@@ -4,7 +4,7 @@ style of ``launch.py`` (whose helpers it uses): eagerly the kernel launches thro
 a ``wrap_triton`` node that Inductor launches from its own code, and a symbolic M picks its
 bucket's config at run time through ``launch._by_m``'s ``cond`` chain.
 
-The config table was tuned on an H200 (``benchmarks/NOTES.md``, run 6): one tile config per M
+The config table was tuned on an H200: one tile config per M
 bucket, and a split-K that fills the GPU: decode at a small N has too few N tiles to keep
 every SM reading (M = 16, N = 576, K = 7168: 33.4 us unsplit, 10.2 us in 8 splits).
 
@@ -12,8 +12,7 @@ Above ``CUBLAS_ABOVE_M`` rows on an sm90 GPU, where the operands are laid out as
 takes them and M is a multiple of 4, the product runs as cuBLAS's block-wise
 ``torch._scaled_mm`` instead (``uses_cublas``, ``CublasChoice``). The Triton kernel, which
 waits for the MMA at every 128-wide group to scale it, beats cuBLAS at every measured shape
-at M = 16, but is 0.94x its speed at M = 64 (geomean) and 0.52-0.85x from M = 1024 up
-(benchmarks/NOTES.md, run 15).
+at M = 16, but is 0.94x its speed at M = 64 (geomean) and 0.52-0.85x from M = 1024 up.
 """
 
 from __future__ import annotations
@@ -36,8 +35,8 @@ from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, above, c
 # bucket's largest M about ``programs per SM`` x the SM count programs, within the row's most
 # splits and one K group each. Measured on an H200 over the 10 Llama-3-8B / DeepSeek-V3
 # shapes of bench_blockwise.py: each row is within 1.06x of the best of 12-72 configs tried
-# at its M (geomean), the best single config of each M (benchmarks/NOTES.md, run 6). The two
-# decode rows were retuned against the read ceiling (run 16, step 5): 64-wide tiles read the
+# at its M (geomean), the best single config of each M. The two
+# decode rows were retuned against the read ceiling: 64-wide tiles read the
 # large weights faster (28672 x 4096 at M = 16: 36.6 against 44.3 us with 32-wide tiles, 6
 # stages and 6 programs per SM) and lose at the smallest N (576 x 7168 at M = 1: 8.4 against
 # 7.5 us); 1.06x (M = 1) and 1.08x (M = 16) faster over the 10 shapes (geomean).
@@ -52,8 +51,8 @@ CONFIGS = (
 
 
 # Above this M, cuBLAS's block-wise GEMM where it applies (``uses_cublas``). H200, torch 2.11
-# (cuBLAS of CUDA 13.0), 10 Llama-3-8B / DeepSeek-V3 shapes, CUDA graphs (benchmarks/NOTES.md,
-# run 15): the Triton kernel is 1.21x cuBLAS's speed at M = 16 (geomean; 1.02-1.75x), then
+# (cuBLAS of CUDA 13.0), 10 Llama-3-8B / DeepSeek-V3 shapes, CUDA graphs: the Triton kernel is
+# 1.21x cuBLAS's speed at M = 16 (geomean; 1.02-1.75x), then
 # 0.94x at M = 64 (0.67-1.27x), 0.76x at M = 256 (0.63-1.26x), 0.59-0.66x from M = 1024 up.
 # (cuBLAS refuses M = 1.) By M alone: at M = 64, N = 4096, K = 14336 and at M = 256, N = 576,
 # K = 7168 cuBLAS takes 1.27x and 1.26x the kernel's time.
@@ -121,7 +120,7 @@ def uses_cublas(a, b, scale_a, scale_b, out_dtype: torch.dtype, bias=None) -> bo
     ``launch.cublas_layout`` (CUDA >= 12.9: earlier builds raise "only supported for CUDA 12.9
     and above"), and ceil(K/128) a multiple of 4: otherwise torch
     2.11's ``_scaled_mm`` returns wrong results, without an error (max error 14-31% of sum
-    |a*b| at 1, 5, 11 and 23 K blocks, H200, NOTES.md run 15; cuBLASLt reads a 128x128
+    |a*b| at 1, 5, 11 and 23 K blocks, H200; cuBLASLt reads a 128x128
     ``scale_b`` with its K blocks padded to a multiple of 4, as ``F.scaled_mm`` takes them,
     pytorch/pytorch#166752). The scales go in as cuBLAS takes them (``_cublas_mm``)."""
     return statically_known_true(cdiv(a.shape[1], BLOCK) % 4 == 0) and cublas_layout(a, b, out_dtype, bias)

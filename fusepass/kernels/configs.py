@@ -52,14 +52,14 @@ class Config:
 # (Triton allocates scratch memory for the device-made descriptors: +1.1 us a compiled
 # call, +8 us an eager one, H200 host, benchmarks/bench_host.py --parts configs), which
 # decode launches cannot hide, and on the H200 the pointer-load retune beat the H100
-# table's TMA configs at every decode shape compared (benchmarks/NOTES.md, run 4).
+# table's TMA configs at every decode shape compared.
 POINTER_LOADS_MAX_M = 64
 
 # Decode buckets read each weight once, so a shape the table has not seen whose tiles leave
 # SMs idle is split along K: the largest power of two up to MOST_SPLITS (and one K block a
 # program) that keeps within DECODE_PROGRAMS_PER_SM programs per SM. The tuner's splits at
 # decode give 1.0-4.8 programs per SM; on an H200, int8, at 16 points (M = 1 and 16, 8 (N, K)
-# with N in 512..128256; benchmarks/NOTES.md, run 7) the rule is within 1.23x of the best of
+# with N in 512..128256) the rule is within 1.23x of the best of
 # 15 (block_n, split) configs, where the unsplit bucket default was up to 2.14x slower
 # (k_proj at M = 1, N = 1024, K = 4096: 12.8 us unsplit, 7.6 us in 8 splits). Measured on
 # int8; fp8 and zero-point launches read the same bytes and take the same rule.
@@ -172,7 +172,7 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
     # launch, a fill kernel of Inductor's. Outside CUDA graphs a decode step is host-bound,
     # and pays for that launch with host time, while the GPU time the split saves is time the
     # step does not wait for. 4 Llama-3-8B layers, int8, batch 1, default
-    # torch.compile, H200 (benchmarks/NOTES.md, run 9): split, 132 kernels a step, 0.52 ms of
+    # torch.compile, H200: split, 132 kernels a step, 0.52 ms of
     # GPU work, 1.24-1.49x bf16's step time; unsplit, 104 kernels, 0.62 ms, 0.93-1.19x.
     if split_decode or top is None or top > DERIVED_SPLIT_MAX_M:
         return cfg

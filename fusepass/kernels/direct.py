@@ -2,7 +2,7 @@
 
 ``kernel[grid](*args)`` binds and specializes every argument on every call (Triton's
 ``JITFunction.run``): 22-40 us a launch of ``scaled_mm_kernel``'s 19 arguments on the H200's
-host, against 6-11 us for the compiled kernel's own launcher (benchmarks/NOTES.md, run 14).
+host, against 6-11 us for the compiled kernel's own launcher.
 What Triton decides depends only on the facts it specializes a kernel on: each tensor's
 dtype and 16-byte alignment, each other argument's value (an int's ==1, %16 and width;
 None; a constexpr), the device. So:

@@ -159,8 +159,8 @@ def cublas_device(device: torch.device) -> bool:
 
 def cublas_layout(a, b, out_dtype: torch.dtype, bias=None) -> bool:
     """What cuBLAS's fp8 ``torch._scaled_mm`` took in every scaling mode (tensor-wise,
-    row-wise, block-wise) on an H200 with torch 2.11 built with CUDA 13.0 (benchmarks/NOTES.md,
-    runs 15 and 16), on the GPU and CUDA where it was measured: sm90, and CUDA >= 12.9 (below
+    row-wise, block-wise) on an H200 with torch 2.11 built with CUDA 13.0, on the GPU and CUDA
+    where it was measured: sm90, and CUDA >= 12.9 (below
     it torch runs row-wise scales through a CUTLASS kernel of its own, which refuses an fp32
     output, and block-wise ones not at all); a row-major ``a`` and a column-major ``b``
     (``w.t()``) with 16-byte aligned rows at least K apart (not a broadcast), K and N
@@ -182,7 +182,7 @@ def cublas_takes_fp8(a, b, scale_a, scale_b, out_dtype: torch.dtype, bias=None, 
     (the op's checks also let int8 through here), no zero point, 16-byte aligned fp32 scales
     (torch takes no other dtype; the alignment of a scale vector was not probed, so not
     assumed), and ``cublas_layout``. Its results matched the kernel's errors against a float64
-    product in every such case measured (run 16)."""
+    product in every such case measured."""
     fake = _traced(a)
     return (
         a.dtype == b.dtype == torch.float8_e4m3fn and azp_adj is None
@@ -278,7 +278,7 @@ def persistent_stages(cfg: Config, out_size: int, device: torch.device) -> Confi
     persistent kernel's half-tile store buffer, whose size the output's dtype sets (None where
     2 stages do not fit: the tile kernel runs instead). A 256x128 tile with 4 stages fits with
     a bf16 output (224 KB), not with an fp32 one (256 KB of the H200's 227 KB; a torchao
-    model's fp32 epilogue output hit it, run 19). Triton 3.6 took exactly this plus 32 bytes
+    model's fp32 epilogue output hit it). Triton 3.6 took exactly this plus 32 bytes
     of barriers there; SHARED_MEMORY_RESERVE covers those."""
     limit = shared_memory(device) - SHARED_MEMORY_RESERVE
     store = cfg.block_m * (cfg.block_n // 2) * out_size

@@ -15,7 +15,7 @@ the tiles are walked and written:
   memory; an fp32 output gets 3, ``launch.persistent_stages``).
 
 A probe against the op's tuned one-program-per-tile configs, int8, H200, bench_linear's
-protocol (benchmarks/NOTES.md, run 19, step 5): the best persistent config 1.02-1.10x faster
+protocol: the best persistent config 1.02-1.10x faster
 at M >= 4096, 0.99-1.01x at M = 1024. The tuned table (``Config.persistent``) says where it
 runs; ``launch`` falls back to ``scaled_mm_kernel`` where TMA cannot read the operands or
 write the output, or 2 stages do not fit.

@@ -11,7 +11,7 @@ to straight-line code. Two more constexprs pick the main loop:
   copies; K-contiguous operands with 16-byte aligned rows), which zero-fill past every edge.
   The descriptors are made on the device (``tl.make_tensor_descriptor``): host-side ones
   cannot be traced into Inductor's code, and Triton 3.6 re-encodes them on every launch
-  (+40-130 us a call on the H100, benchmarks/NOTES.md run 3).
+  (+40-130 us a call on the H100).
   Otherwise the tiles are pointer loads: row/column offsets are 64-bit, so M*K, K*N and M*N
   may pass 2**31 elements; ragged M and N wrap around (in-bounds loads, results masked at
   the store) and ragged K is masked with zeros.

@@ -50,8 +50,8 @@ a column-major ``b`` (``w.t()``) with 16-byte aligned rows, K and N multiples of
 or a bf16 one with a bf16 output, a torch built with CUDA >= 12.9. The scales are copied into
 its layout where they are not in it (a row-major ``scale_a``: M * ceil(K/128) floats). The
 kernel beats cuBLAS at every measured shape at M = 16, and is slower on average above (0.94x
-cuBLAS's speed at M = 64, 0.76x at 256, 0.52-0.85x from 1024 up; H200, benchmarks/NOTES.md,
-run 15); cuBLAS's result is within the same tolerance of the exact product.
+cuBLAS's speed at M = 64, 0.76x at 256, 0.52-0.85x from 1024 up; H200); cuBLAS's result is
+within the same tolerance of the exact product.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ BIAS_DTYPES = OUT_DTYPES
 AZP_DTYPES = (torch.int32, torch.int64, torch.float32)
 # Per-tensor / per-token / per-channel scales: fp32, or bf16 / fp16 (widened to fp32 in the
 # kernel, exactly). torchao 0.17's int8 weights carry bf16 scales: a cast to fp32 in the graph
-# was one more kernel per linear per step (25 of a 4-layer decode step's 101; run 13).
+# was one more kernel per linear per step (25 of a 4-layer decode step's 101).
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them

@@ -11,8 +11,8 @@ call's argument at that position went, so calls that pass one tensor twice are n
 (but are repeated correctly), and nor are calls that copy an input (a strided scale vector).
 
 On an H200 host a repeated ``fusepass.scaled_mm`` call takes 19-26 us, where one through the
-implementation took 49-76 us (with ``direct.DirectLauncher``) and 88-101 us before
-(benchmarks/NOTES.md, run 14). Used by the ops' Python wrappers (``fusepass.scaled_mm`` and
+implementation took 49-76 us (with ``direct.DirectLauncher``) and 88-101 us before.
+Used by the ops' Python wrappers (``fusepass.scaled_mm`` and
 the others) where they bypass the dispatcher; ``torch.ops.fusepass.*`` runs the
 implementation each time.
 """

@@ -40,8 +40,8 @@ aligned rows, K and N multiples of 16, no bias or a bf16 one with a bf16 output,
 with CUDA >= 12.9. A per-tensor scale beside a
 per-element one is spread to a vector (M or N floats), as cuBLAS takes no mixed recipe. The
 kernel is the faster up to M = 64 (1.21x cuBLAS's speed at M = 64, geomean of 8 Llama
-shapes), cuBLAS above (the kernel 0.71-0.83x from M = 256 up; H200, benchmarks/NOTES.md,
-run 16); the two agree with the exact product within the same bound.
+shapes), cuBLAS above (the kernel 0.71-0.83x from M = 256 up; H200); the two agree with the
+exact product within the same bound.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def _plain_eager(*tensors) -> bool:
     """True where a call may skip the dispatcher and run the implementation directly
     (``eager.call``): eager (not traced, no mode, no functorch transform), plain tensors,
     nothing that needs autograd. The dispatcher's Python custom-op path costs 25-30 us a
-    call on the H200's host (benchmarks/NOTES.md, run 14). Anything else goes through
+    call on the H200's host. Anything else goes through
     ``torch.ops.fusepass.*``, which also raises the autograd error."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack()):

@@ -5,8 +5,8 @@ At a decode size (at most ``DECODE_ROWS`` rows) stock Inductor on an H100/H200 s
 reduction over more than 8192 elements into partial reductions, a final one and, for a
 quantization, a separate cast: three launches (``InductorChoices.reduction_split_factor``).
 A W8A8 Llama MLP's down_proj quantizes a 14336-wide activation per row, so each layer paid two
-launches more than it needed, and a default-mode decode step is bound by its launches
-(benchmarks/NOTES.md, run 11). Up to ``MAX_UNSPLIT`` elements (Llama-3-70B's 28672 included)
+launches more than it needed, and a default-mode decode step is bound by its launches.
+Up to ``MAX_UNSPLIT`` elements (Llama-3-70B's 28672 included)
 one program per row reads at most 64 KB of bf16; above it, or with more rows, and on other
 devices (ROCm included: not measured there), Inductor's own rule decides. The rows are
 Inductor's size hint: a graph with a symbolic M keeps the choice of its example's M.

@@ -152,7 +152,7 @@ def _match_scaled_mm(node, config) -> Candidate | None:
     out = tensor_val(node)
     M, K = out.shape[0], tensor_val(a).shape[1]
     # torch._scaled_mm's block-wise GEMM is wrong, without an error, where ceil(K/128) is not a
-    # multiple of 4 (torch 2.11, H200: 14-31% of sum |a*b|, benchmarks/NOTES.md run 15): fused
+    # multiple of 4 (torch 2.11, H200: 14-31% of sum |a*b|): fused
     # at every M there.
     cublas_wrong = node.target is aten._scaled_mm.default and is_concrete_int(K) and blocks(int(K)) % 4 != 0
     if out.device.type == "cuda" and not cublas_wrong and (not is_concrete_int(M) or int(M) > config.fp8_max_m):
