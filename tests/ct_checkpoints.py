@@ -11,7 +11,10 @@ import torch
 
 SIZES = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=512, max_position_embeddings=128, tie_word_embeddings=False)
-SCHEMES = ("W8A8", "W8A8_ASYM", "FP8_DYNAMIC", "W8A16")
+# FP8_BLOCK's weights must be whole 128x128 blocks: k/v's N = kv heads x head size = 128
+BLOCK_SIZES = {**SIZES, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2,
+               "num_key_value_heads": 1}
+SCHEMES = ("W8A8", "W8A8_ASYM", "FP8_DYNAMIC", "FP8_BLOCK", "W8A16")
 QUANTIZED_LINEARS = 7 * SIZES["num_hidden_layers"]  # lm_head is left in bf16, as llm-compressor does
 
 
@@ -22,11 +25,12 @@ def build(root: Path, name: str, seed: int = 0) -> tuple[Path, Path]:
     from fusepass.demo.models import compressed_tensors, save_compressed
 
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SIZES)).to(torch.bfloat16).eval()
+    sizes = BLOCK_SIZES if name == "FP8_BLOCK" else SIZES
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes)).to(torch.bfloat16).eval()
     for m in model.modules():  # a trained model's scale: unit-variance activations through each linear
         if isinstance(m, torch.nn.Linear):
             torch.nn.init.normal_(m.weight, std=m.in_features**-0.5)
-    float_dir, out = root / "bf16", root / name
+    float_dir, out = root / f"bf16-{name}", root / name
     model.save_pretrained(float_dir)
     save_compressed(model, compressed_tensors(model, name), out)
     return out, float_dir

@@ -1,7 +1,7 @@
 """W8A8 checkpoints in the compressed-tensors format (most W8A8 checkpoints on the hub): written
 by compressed-tensors itself (``ct_checkpoints.py``), loaded by ``from_pretrained``, then
 ``fusepass.prepare``. For each scheme llm-compressor writes for W8A8 (int8 "W8A8", int8 with
-asymmetric activations, "FP8_DYNAMIC"): the checkpoint's own int8 / fp8 values kept, before
+asymmetric activations, "FP8_DYNAMIC", "FP8_BLOCK"): the checkpoint's own int8 / fp8 values kept, before
 and after the model's first forward; no graph break left; every quantized linear fused at
 prefill and decode, batch 1 and 4; logits within the numerics policy against the checkpoint's
 own eager model and the float one; greedy generate as eager's (or a near-tie). Other schemes
@@ -24,9 +24,9 @@ pytest.importorskip("transformers")
 from fusepass.demo import accuracy, models  # noqa: E402
 from tests import ct_checkpoints as ct  # noqa: E402
 
-KIND = {"W8A8": "int8", "W8A8_ASYM": "int8-asym", "FP8_DYNAMIC": "fp8"}
+KIND = {"W8A8": "int8", "W8A8_ASYM": "int8-asym", "FP8_DYNAMIC": "fp8", "FP8_BLOCK": "fp8-block"}
 PATTERNS = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token", "int_mm_azp_per_tensor"},
-            "fp8": {"dequant_mm"}}
+            "fp8": {"dequant_mm"}, "fp8-block": {"dequant_mm_blockwise"}}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,8 @@ def test_prepare_keeps_the_checkpoints_values(checkpoints, scheme, first_forward
     k = loaded.model.layers[0].self_attn.k_proj
     stored = k.weight.detach().clone()  # (as loaded: the checkpoint's int8 / fp8 tensor)
     assert stored.dtype == (torch.float8_e4m3fn if scheme.startswith("FP8") else torch.int8)
-    scale = k.weight_scale.detach().float().flatten()
+    scale = k.weight_scale.detach().float()  # (N, 1), or per 128x128 block
+    scale = scale if scheme == "FP8_BLOCK" else scale.flatten()
     model = ct.load(path)
     ids = models.prompt(model, 2, 8, seed=0)
     if first_forward:  # (compressed-tensors decompresses every weight and offloads every module)
@@ -60,7 +61,8 @@ def test_prepare_keeps_the_checkpoints_values(checkpoints, scheme, first_forward
     new = model.model.layers[0].self_attn.k_proj
     assert isinstance(new, fusepass.W8A8Linear)
     assert torch.equal(new.joint.weight[new.lo:new.hi].view(torch.int8), stored.view(torch.int8))
-    assert torch.equal(new.joint.weight_scale[new.lo:new.hi], scale)
+    blocks = slice(new.lo // 128, new.hi // 128) if scheme == "FP8_BLOCK" else slice(new.lo, new.hi)
+    assert torch.equal(new.joint.weight_scale[blocks], scale)
     explained = torch._dynamo.explain(model)(ids)
     assert explained.graph_break_count == 0, explained.break_reasons
 
@@ -96,10 +98,12 @@ def test_every_quantized_linear_fuses(checkpoints, scheme, step, batch):
     found = dict(counters["fusepass"])
     joined = found.pop(JOINED, 0)
     assert set(found) <= PATTERNS[KIND[scheme]] and sum(found.values()) == ct.QUANTIZED_LINEARS, found
-    assert joined == (0 if "int_mm_azp_per_tensor" in found else 2 * ct.SIZES["num_hidden_layers"]), (joined, found)
+    # (q/k/v and gate/up joined; not block-wise calls, nor per-tensor zero points: M = 1 int8-asym)
+    unjoined = "int_mm_azp_per_tensor" in found or scheme == "FP8_BLOCK"
+    assert joined == (0 if unjoined else 2 * ct.SIZES["num_hidden_layers"]), (joined, found)
 
 
-@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC"])
+@pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "FP8_BLOCK"])
 def test_generate_compiled_as_eager(checkpoints, scheme):
     """For real (Inductor's C++ on the CPU): greedy generate with a static cache, prefill and
     decode compiled with ``backend="fusepass"``, gives the prepared model's eager tokens, or

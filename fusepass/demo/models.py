@@ -164,7 +164,13 @@ def compressed_tensors(model: nn.Module, scheme: str):
         if args is None:
             continue
         w = m.weight.data.float()
-        scale, zero_point = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True), args)
+        if str(args.strategy) == "block":  # (min and max per block: weights of whole blocks here)
+            rows, cols = args.block_structure
+            w = w.unflatten(0, (-1, rows)).unflatten(-1, (-1, cols)).transpose(1, 2).flatten(-2)
+            lo, hi = w.amin(-1), w.amax(-1)
+        else:
+            lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+        scale, zero_point = calculate_qparams(lo, hi, args)
         m.weight_scale.data.copy_(scale.to(m.weight_scale.dtype))
         if hasattr(m, "weight_zero_point"):
             m.weight_zero_point.data.copy_(zero_point.to(m.weight_zero_point.dtype))

@@ -33,28 +33,35 @@ class Act:
     - ``int8``: symmetric, ``scale = amax / divisor`` (torchao and compressed-tensors divide
       by 127.5: the range [-128, 127] spans 255 steps);
     - ``int8-asym``: ``scale = (max(hi, 0) - min(lo, 0)) / 255`` and a zero point;
-    - ``fp8``: e4m3, ``scale = amax / 448``, amax at least ``floor``.
+    - ``fp8``: e4m3, ``scale = amax / 448``, amax at least ``floor``;
+    - ``fp8-block``: as ``fp8``, per 128-wide group of a row (DeepSeek-V3's recipe; the weight
+      then has one scale per 128x128 block).
     """
 
     kind: str
     divisor: float = 127.5
     floor: float = SCALE_EPS
 
-    KINDS = ("int8", "int8-asym", "fp8")
+    KINDS = ("int8", "int8-asym", "fp8", "fp8-block")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
             raise ValueError(f"Act.kind must be one of {self.KINDS}, got {self.kind!r}")
 
-    @property
-    def weight_dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self.kind == "fp8" else torch.int8
+
+BLOCK = 128  # (fp8-block: the group width, and the weight's block side)
 
 
 def quantize_rows(x: torch.Tensor, act: Act):
     """``x`` (M, K) quantized per row: (q (M, K), scale (M, 1) fp32, zero point (M,) int32
-    or None). Computed in fp32 whatever ``x``'s dtype."""
+    or None); for ``fp8-block`` per 128-wide group, scale (M, K / 128). Computed in fp32
+    whatever ``x``'s dtype."""
     xf = x.float()
+    if act.kind == "fp8-block":
+        groups = xf.unflatten(-1, (-1, BLOCK))  # (M, K / 128, 128)
+        scale = groups.abs().amax(dim=-1).clamp(min=act.floor) / 448.0  # (M, K / 128)
+        q = (groups / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return q.flatten(-2), scale, None
     if act.kind == "int8-asym":
         lo, hi = xf.aminmax(dim=-1, keepdim=True)
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)  # (the range holds 0: zero stays exact)
@@ -72,8 +79,9 @@ def quantize_rows(x: torch.Tensor, act: Act):
 
 class Joint(nn.Module):
     """The weights of one or more sibling linears, rows in order:
-    ``weight`` (N, K) int8 / fp8, ``weight_scale`` (N,) fp32, ``colsum`` (N,) int32 (the
-    weight's row sums, for asymmetric activations) and ``bias`` (N,), each or None."""
+    ``weight`` (N, K) int8 / fp8, ``weight_scale`` (N,) fp32 (``fp8-block``: (N / 128, K / 128),
+    one per 128x128 block), ``colsum`` (N,) int32 (the weight's row sums, for asymmetric
+    activations) and ``bias`` (N,), each or None."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
                  colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None):
@@ -100,9 +108,11 @@ class W8A8Linear(nn.Module):
         q, scale, zp = quantize_rows(x2, self.act)
         w = j.weight[lo:hi].t()  # (K, N), column-major
         bias = None if j.bias is None else j.bias[lo:hi]
-        if torch.compiler.is_compiling():
-            return self._dequantized(q, scale, zp, w, bias, x.dtype).reshape(*x.shape[:-1], hi - lo)
-        if zp is None:
+        if self.act.kind == "fp8-block":
+            y = self._blockwise(q, scale, w, bias, x.dtype)
+        elif torch.compiler.is_compiling():
+            y = self._dequantized(q, scale, zp, w, bias, x.dtype)
+        elif zp is None:
             y = torch.ops.fusepass.scaled_mm(q, w, scale, j.weight_scale[lo:hi], x.dtype, bias)
         else:
             y = torch.ops.fusepass.scaled_mm_azp(q, w, scale, j.weight_scale[lo:hi], x.dtype,
@@ -128,6 +138,18 @@ class W8A8Linear(nn.Module):
         else:
             acc = torch._int_mm(q, w) - zp.unsqueeze(1) * j.colsum[self.lo:self.hi].unsqueeze(0)
             y = acc.float() * scale * ws
+        return (y if bias is None else y + bias).to(dtype)
+
+    def _blockwise(self, q, scale, w, bias, dtype):
+        """``fp8-block``: eagerly the block-wise op; compiled, the dequantized form (pattern
+        10) that the pass turns back into it: activations over 128-wide groups, the weight's
+        scales spread over its 128x128 blocks."""
+        blocks = self.joint.weight_scale[self.lo // BLOCK:self.hi // BLOCK]  # (N / 128, K / 128)
+        if not torch.compiler.is_compiling():
+            return torch.ops.fusepass.scaled_mm_blockwise(q, w, scale, blocks.t(), dtype, bias)
+        a = (q.float().unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
+        spread = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)  # (N, K)
+        y = a @ (w.t().float() * spread).t()
         return (y if bias is None else y + bias).to(dtype)
 
     def extra_repr(self) -> str:

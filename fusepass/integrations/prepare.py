@@ -20,9 +20,10 @@ What it converts (the checkpoint's quantized values and scales, never re-quantiz
   (``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``);
 - compressed-tensors checkpoints as ``transformers``' ``from_pretrained`` loads them (before
   or after their first forward): int8 per-channel weights with dynamic per-token activations,
-  symmetric ("W8A8") or asymmetric, and fp8 per-channel weights with dynamic per-token
-  activations ("FP8_DYNAMIC"); the activation scales as compressed-tensors computes them
-  (amax / 127.5, amax / 448). Its decompression hook and offload wrappers go.
+  symmetric ("W8A8") or asymmetric, fp8 per-channel weights with dynamic per-token
+  activations ("FP8_DYNAMIC"), and fp8 128x128 weight blocks with dynamic 1x128 activation
+  groups ("FP8_BLOCK", fusepass's block-wise op); the activation scales as compressed-tensors
+  computes them (amax / 127.5, amax / 448). Its decompression hook and offload wrappers go.
 
 Anything else quantized (weight-only, per-group, static or pre-scaled activations, another
 library's type) is left as it is, and the returned ``Preparation`` says why, by module.
@@ -31,13 +32,14 @@ library's type) is left as it is, and the returned ``Preparation`` says why, by 
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .linear import Act, Joint, W8A8Linear
+from .linear import BLOCK, Act, Joint, W8A8Linear
 
 log = logging.getLogger("fusepass.prepare")
 
@@ -66,7 +68,8 @@ class Preparation:
 
 @dataclass
 class _Quantized:
-    """One linear's checkpoint values: weight (N, K), per-row scale (N,) fp32, activations."""
+    """One linear's checkpoint values: weight (N, K), per-row scale (N,) fp32 (or per
+    128x128 block, (N / 128, K / 128)), activations."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -130,25 +133,36 @@ def _compressed_tensors(linear: nn.Linear) -> _Quantized | str | None:
     w, a, name = scheme.weights, scheme.input_activations, _describe_ct(scheme)
     if w is None or a is None or w.num_bits != 8 or a.num_bits != 8 or w.type != a.type:
         return f"{name}: not W8A8 (8-bit weights and activations of one type)"
-    if str(w.strategy) != "channel" or not w.symmetric:
-        return f"{name}: only symmetric per-channel weight scales"
-    if str(a.strategy) != "token" or a.dynamic is not True:
+    block = str(w.strategy) == "block"
+    if block:  # DeepSeek-V3's recipe: FP8_BLOCK
+        if (w.type != "float" or list(w.block_structure or ()) != [BLOCK, BLOCK] or str(a.strategy) != "group"
+                or a.group_size != BLOCK or a.dynamic is not True or not (w.symmetric and a.symmetric)):
+            return f"{name}: block-wise only as fp8 128x128 weight blocks with dynamic 1x128 activation groups"
+        if linear.weight.shape[0] % BLOCK or linear.weight.shape[1] % BLOCK:
+            return f"{name}: a {tuple(linear.weight.shape)} weight is not whole 128x128 blocks"
+    elif str(w.strategy) != "channel" or not w.symmetric:
+        return f"{name}: only symmetric per-channel or 128x128 block weight scales"
+    elif str(a.strategy) != "token" or a.dynamic is not True:
         return f"{name}: only dynamic per-token activations"
     fp8 = w.type == "float"
     if fp8 and not a.symmetric:
         return f"{name}: fp8 activations with a zero point"
-    weight, N = linear.weight.detach(), linear.weight.shape[0]
-    scale = linear.weight_scale.detach().float().reshape(-1)
-    if scale.numel() != N:
-        return f"{name}: weight_scale of shape {tuple(linear.weight_scale.shape)} for {N} channels"
+    weight, (N, K) = linear.weight.detach(), linear.weight.shape
+    scale = linear.weight_scale.detach().float()
+    shape = (N // BLOCK, K // BLOCK) if block else (N,)
+    if scale.numel() != math.prod(shape):
+        return f"{name}: weight_scale of shape {tuple(scale.shape)} for a {(N, K)} weight"
+    scale = scale.reshape(shape)
     target = torch.float8_e4m3fn if fp8 else torch.int8
     if weight.dtype != target:  # decompressed by a first forward: q * scale in the model's dtype
-        q = weight.float() / scale[:, None]
+        spread = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1) if block else scale[:, None]
+        q = weight.float() / spread
         q = q.clamp(-448.0, 448.0).to(target) if fp8 else q.round().clamp(-128, 127).to(target)
-        if not torch.equal((q.float() * scale[:, None]).to(weight.dtype), weight):
+        if not torch.equal((q.float() * spread).to(weight.dtype), weight):
             return f"{name}: a {weight.dtype} weight that is not {target} values times weight_scale"
         weight = q
-    return _Quantized(weight, scale, Act("fp8" if fp8 else "int8" if a.symmetric else "int8-asym"))
+    kind = "fp8-block" if block else "fp8" if fp8 else "int8" if a.symmetric else "int8-asym"
+    return _Quantized(weight, scale, Act(kind))
 
 
 def _undo_compressed_tensors(model: nn.Module, left: list[nn.Module]) -> None:
@@ -215,8 +229,10 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
                 log.debug("fusepass.prepare: left %s as it is: %s", path, found)
             elif found is not None:
                 bias = child.bias
+                # (block-wise calls are not joined: each keeps its buffer, the scales unsliced)
+                alone = not join or found.act.kind == "fp8-block"
                 key = (found.act, found.weight.shape[1], found.weight.device,
-                       None if bias is None else bias.dtype, name if not join else None)
+                       None if bias is None else bias.dtype, name if alone else None)
                 groups[key].append((name, child, found))
         for members in groups.values():
             joint = _joint(members)
