@@ -6,7 +6,8 @@ Three ways in: ``torch.compile(model, backend="fusepass")``;
 ``fusepass.scaled_mm_group``
 (``torch.ops.fusepass.*``).
 ``fusepass.explain(model, *inputs)`` reports what the pass fuses and why not;
-``fusepass.prepare(model)`` turns a quantized model's tensor-subclass weights into plain ones, once.
+``fusepass.prepare(model)`` turns a torchao or compressed-tensors model's quantized linears into
+plain-tensor ones, once.
 """
 
 from .backend import fusepass_backend, inductor_options

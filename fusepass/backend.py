@@ -19,12 +19,12 @@ from collections import Counter
 import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .kernels.launch import splitting_outside_graphs
 from .passes import FusePass, PassConfig
 from .passes.choices import decode_reductions
 from .passes.fuse_pass import INDUCTOR_PREFIX
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 log = logging.getLogger("fusepass")
 _HOOK = "post_grad_custom_pre_pass"  # why this hook: fusepass/passes/fuse_pass.py
@@ -106,14 +106,15 @@ def _counts() -> tuple[Counter, Counter]:
 
 
 def _hint_prepare(example_inputs) -> None:
-    """Say once per process where a graph takes tensor-subclass weights: each costs host time
+    """Say once per process where a graph takes torchao's tensor-subclass weights: each costs host time
     on every call (Dynamo's guards, AOTAutograd taking it apart), which ``fusepass.prepare``
     removes."""
     global _HINTED
-    subclasses = sum(isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x) for x in example_inputs)
+    subclasses = sum(isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x)
+                     and type(x).__module__.startswith("torchao") for x in example_inputs)
     if subclasses and not _HINTED:
         _HINTED = True
-        log.warning("fusepass: this graph takes %d tensor-subclass inputs (torchao's quantized weights?); each "
+        log.warning("fusepass: this graph takes %d torchao tensor-subclass weights; each "
                     "costs host time on every call. fusepass.prepare(model) before torch.compile turns them "
                     "into plain tensors once.", subclasses)
 

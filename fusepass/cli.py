@@ -120,11 +120,12 @@ def _demo_options(args: argparse.Namespace):
     if args.quant == "fp8":
         if device.type != "cuda":
             error("--quant fp8 needs a CUDA GPU (fp8 matmuls run on GPUs only); use --quant int8 or int8-asym on CPU")
-        from .ops.checks import MIN_FP8_CAPABILITY
+        from .ops.checks import gpu_too_old
 
-        cap = torch.cuda.get_device_capability(device)
-        if tuple(cap) < MIN_FP8_CAPABILITY:
-            error(f"--quant fp8 needs compute capability >= {'.'.join(map(str, MIN_FP8_CAPABILITY))}; "
+        old = gpu_too_old(device, torch.float8_e4m3fn)
+        if old is not None:
+            (need, cap) = old
+            error(f"--quant fp8 needs compute capability >= {need[0]}.{need[1]}; "
                   f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}")
     defaults = run.CUDA_DEFAULTS if device.type == "cuda" else run.CPU_DEFAULTS
     value = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in defaults.items()}

@@ -1,6 +1,7 @@
 """A second process compiling the same prepared model hits the caches (issue 36): the
-AOTAutograd cache and Inductor's FX graph cache serve the graph, the pass does not run again,
-and ``counters["fusepass"]`` and the result are the first process's."""
+AOTAutograd cache and Inductor's FX graph cache serve the graph (so the pass does not run
+again), and ``counters["fusepass"]``, replayed from the cache entry, and the result are the
+first process's."""
 
 from __future__ import annotations
 
@@ -40,5 +41,6 @@ def test_a_prepared_model_compiles_from_the_caches_in_a_second_process(tmp_path)
     second = _compile_in_a_new_process(tmp_path)
     assert first["aot"].get("autograd_cache_miss") == 1 and first["inductor"].get("fxgraph_cache_miss") == 1
     assert second["aot"].get("autograd_cache_hit") == 1 and not second["aot"].get("autograd_cache_miss"), second["aot"]
+    assert second["inductor"].get("fxgraph_cache_hit") == 1 and not second["inductor"].get("fxgraph_cache_miss")
     assert first["fusepass"] == second["fusepass"] == {"dequant_mm": 8, "joined_siblings": 2}, (first, second)
     assert first["out"] == second["out"]

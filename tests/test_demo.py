@@ -111,6 +111,17 @@ def test_demo_runs_a_compressed_tensors_checkpoint(tmp_path, capsys):
     _check_accuracy_and_tokens(out, 4)
 
 
+def test_demo_quantized_by_compressed_tensors(capsys):
+    """--quantizer compressed-tensors: the random model as its W8A8 checkpoint loads (lm_head
+    left bf16), prepared, every quantized linear fused."""
+    pytest.importorskip("compressed_tensors")
+    assert cli.main(["demo", *SHORT, *TINY_SIZES, "--batch", "1", "--quantizer", "compressed-tensors"]) == 0
+    out = capsys.readouterr().out
+    assert "fusepass.prepare: 7 quantized linears converted (int8 7)" in out, out
+    assert _summaries(out) == {"prefill b1": (7, 7, 0), "decode b1": (7, 7, 0)}, out
+    _check_accuracy_and_tokens(out, 6)
+
+
 @pytest.mark.gpu
 def test_demo_on_cuda_with_the_speed_table_and_its_plot(tmp_path, capsys):
     """The CUDA path at small sizes: the prefill compiled too, the speed table (bf16, stock

@@ -172,6 +172,18 @@ def test_prepare_leaves_plain_models_alone():
     assert not report.converted and not report.left and type(model[0]) is nn.Linear
 
 
+def test_prepared_model_keeps_its_quantized_dtypes_through_to_dtype(bf16_model):
+    """``model.half()`` / ``.to(dtype)`` convert floating tensors, fp8 weights and fp32 scales
+    among them: a prepared model's keep their dtypes (only biases follow)."""
+    model, _ = _prepared(bf16_model, "int8")
+    k = model.model.layers[0].self_attn.k_proj
+    scale = k.joint.weight_scale.clone()
+    model.to(torch.float16)
+    assert k.joint.weight.dtype == torch.int8 and torch.equal(k.joint.weight_scale, scale)
+    with torch.no_grad():
+        assert model(models.prompt(bf16_model, 1, 4, seed=5)).logits.dtype == torch.float16
+
+
 def test_act_kind_checked():
     with pytest.raises(ValueError, match="Act.kind must be one of"):
         Act("int4")

@@ -109,15 +109,15 @@ def checkpoint(name: str) -> str:
 
 
 def prequantized(name: str) -> str | None:
-    """The quantization method of a local checkpoint that is already W8A8 (its config's
-    ``quantization_config``: "compressed-tensors"), else None."""
-    import json
+    """The quantization method of a checkpoint (a local directory or a hub id) that is already
+    W8A8 (its config's ``quantization_config``: "compressed-tensors"), else None."""
+    from transformers import AutoConfig
 
-    path = os.path.join(os.path.expanduser(name), "config.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        method = json.load(f).get("quantization_config", {}).get("quant_method")
+    try:
+        config = AutoConfig.from_pretrained(checkpoint(name))
+    except (OSError, ValueError, KeyError):
+        return None  # (load_pretrained then says why)
+    method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
     return method if method == "compressed-tensors" else None
 
 

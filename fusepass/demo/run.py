@@ -111,7 +111,8 @@ def _build(o: Options):
             model = (models.random_llama(o.sizes, o.prompt_len + o.new_tokens, o.device, o.seed) if o.model is None
                      else models.load_pretrained(o.model, o.device))
             qmodel = models.quantized_copy(model, o.quant, o.quantizer)
-            fmodel = models.quantized_copy(model, o.quant, o.quantizer) if o.quantizer == "torchao" else qmodel
+            fmodel = (qmodel if o.quantizer == "handwritten"
+                      else models.quantized_copy(model, o.quant, o.quantizer))
         if fmodel is not qmodel:
             note["result"] = str(prepare(fmodel)).splitlines()[0]
         ids = models.prompt(model, o.batch, o.prompt_len, o.seed)

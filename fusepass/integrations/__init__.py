@@ -1,5 +1,6 @@
 """What fusepass integrates with, above the pass: quantized models of other libraries
-(``prepare``: torchao's tensor subclasses as plain-tensor linears)."""
+(``prepare``: torchao's tensor subclasses and compressed-tensors checkpoints as plain-tensor
+linears)."""
 
 from .linear import Act, Joint, W8A8Linear
 from .prepare import Preparation, prepare

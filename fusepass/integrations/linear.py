@@ -3,8 +3,10 @@
 What ``fusepass.prepare`` turns a quantized model's linears into (``prepare.py``). The weights
 stay the checkpoint's own int8 / fp8 values and scales; the activation is quantized per token
 in the forward, as the source format prescribes (its ``Act``), then one ``fusepass.scaled_mm``
-(or ``scaled_mm_azp``) call does the matmul and its whole epilogue. The forward runs in eager
-(the ops' CPU reference or CUDA kernels) and under any ``torch.compile`` backend.
+(or ``scaled_mm_azp``, ``scaled_mm_blockwise``) call does the matmul and its whole epilogue.
+The forward runs in eager (the ops' CPU reference or CUDA kernels), and compiled as forms the
+pass fuses (``_dequantized``); other backends run those forms as written, except asymmetric
+activations on CUDA at M <= 16 (``torch._int_mm``'s limit).
 
 Sibling linears of one parent module with the same input width and scheme (a Llama
 attention's q/k/v/o, an MLP's gate/up) keep their weights in one ``Joint`` buffer each, rows
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ..kernels.blockwise import BLOCK  # (fp8-block: the group width, and the weight's block side)
 
 # float32's eps: torchao's floor for a per-token scale (an all-zero row quantizes to zeros)
 SCALE_EPS = torch.finfo(torch.float32).eps
@@ -49,7 +53,6 @@ class Act:
             raise ValueError(f"Act.kind must be one of {self.KINDS}, got {self.kind!r}")
 
 
-BLOCK = 128  # (fp8-block: the group width, and the weight's block side)
 
 
 def quantize_rows(x: torch.Tensor, act: Act):
@@ -90,6 +93,15 @@ class Joint(nn.Module):
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("colsum", colsum)
         self.register_buffer("bias", bias)
+
+    def _apply(self, fn, recurse=True):
+        """``.to(device)`` moves the quantized values and scales; ``.to(dtype)``, ``.half()``,
+        ``.bfloat16()`` leave their dtypes as they are (an fp8 weight is floating point to
+        torch, and fp32 scales would be rounded): only the bias follows."""
+        for name, t in self._buffers.items():
+            if t is not None:
+                self._buffers[name] = fn(t) if name == "bias" else t.to(fn(torch.empty(0, device=t.device)).device)
+        return self
 
 
 class W8A8Linear(nn.Module):

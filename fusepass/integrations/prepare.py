@@ -213,7 +213,7 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
     Call it once, after quantizing (or loading) and before ``torch.compile``; the model then
     runs in eager too, on fusepass's ops."""
     report = Preparation()
-    if any(hasattr(m, "quantization_scheme") for m in model.modules()):
+    if any(_compressed_tensors(m) is not None for m in model.modules() if isinstance(m, nn.Linear)):
         _undo_compressed_tensors(model, [m for m in model.modules() if isinstance(m, nn.Linear)
                                          and isinstance(_compressed_tensors(m), str)])
     for parent_path, parent in list(model.named_modules()):

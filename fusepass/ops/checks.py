@@ -200,7 +200,6 @@ def check_scaled_mm_args(
 
 # --- block-wise scales (fusepass.scaled_mm_blockwise) -------------------------------------
 
-# (BLOCK, the scale block's width: 128, the kernel's GROUP_K)
 
 
 def _ceil_div(n, d):

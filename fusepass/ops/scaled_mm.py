@@ -27,11 +27,11 @@ matmuls it cannot fuse here, so a compiled model never stops on them.
 
 Each op is a ``torch.library.triton_op``: its implementation below (input checks, then the
 CPU reference of ``reference.py`` on CPU tensors, or the fused Triton kernel of
-``fusepass.kernels`` on CUDA ones) runs eagerly, serves as the fake implementation on fake
-tensors, and is what Inductor traces into its graph, where the kernels are launched by
+``fusepass.kernels`` on CUDA ones) runs eagerly and is what Inductor traces into its graph, where the kernels are launched by
 Inductor's own generated code (see ``fusepass.kernels.launch``). The Python wrappers at the
 end (``fusepass.scaled_mm`` ...) call it without the dispatcher where they may, and repeat a
-checked call's launch for later calls with the same argument facts (``eager.py``).
+checked call's launch for later calls with the same argument facts (``eager.py``). The fake
+implementations (``register_fake`` below) run the checks and give the output's metadata.
 
 On an sm90 GPU, an fp8 ``scaled_mm`` above 64 rows (``launch.FP8_CUBLAS_ABOVE_M``) runs as
 cuBLAS's ``torch._scaled_mm`` where that call takes the operands (``launch.cublas_takes_fp8``):
@@ -39,9 +39,8 @@ cuBLAS's ``torch._scaled_mm`` where that call takes the operands (``launch.cubla
 aligned rows, K and N multiples of 16, no bias or a bf16 one with a bf16 output, a torch built
 with CUDA >= 12.9. A per-tensor scale beside a
 per-element one is spread to a vector (M or N floats), as cuBLAS takes no mixed recipe. The
-kernel is the faster up to M = 64 (1.21x cuBLAS's speed at M = 64, geomean of 8 Llama
-shapes), cuBLAS above (the kernel 0.71-0.83x from M = 256 up; H200); the two agree with the
-exact product within the same bound.
+kernel is the faster up to M = 64, cuBLAS above (the measurements: ``launch.FP8_CUBLAS_ABOVE_M``);
+the two agree with the exact product within the same bound.
 """
 
 from __future__ import annotations

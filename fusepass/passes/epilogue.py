@@ -104,13 +104,23 @@ def _source(arg):
     return arg
 
 
-def _stored(arg) -> bool:
-    """Whether ``arg`` is a graph input (or constant) read through views, slices and float
-    casts: a stored scale, not a value computed from activations."""
-    arg = peel_expand(arg)
-    while is_call(arg, aten.unsqueeze.default, aten.slice.Tensor, *VIEW_OPS) or cast_dtype(arg) in FLOAT_DTYPES:
-        arg = peel_expand(arg.args[0])
-    return is_number(arg) or not isinstance(arg, fx.Node) or arg.op in ("placeholder", "get_attr")
+_PRODUCTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._int_mm.default, aten._scaled_mm.default)
+
+
+def _from_a_product(arg, depth: int = 12) -> bool:
+    """Whether ``arg`` is computed from a matmul's result (or a fused op's) within ``depth``
+    steps back: an activation, not a scale (a weight scale's ``reciprocal`` is one)."""
+    seen, frontier = set(), [arg]
+    for _ in range(depth):
+        frontier = [n for n in frontier if isinstance(n, fx.Node) and n not in seen]
+        if not frontier:
+            return False
+        seen.update(frontier)
+        if any(n.op == "call_function" and (n.target in _PRODUCTS or str(n.target).startswith("fusepass."))
+               for n in frontier):
+            return True
+        frontier = [i for n in frontier for i in n.all_input_nodes]
+    return False
 
 
 def _integer_source(arg):
@@ -196,10 +206,10 @@ class _Walker:
                 if ep.scaled:
                     return None  # the dequantization is complete; a different op follows
                 raise
-            if ep.scaled and same(shape[0], 1) and any(axis is Axis.COL and not _stored(f) for f, axis in factors):
+            if ep.scaled and same(shape[0], 1) and any(axis is Axis.COL and _from_a_product(f) for f, axis in factors):
                 # At M = 1 an activation's [1, N] row reads as a column vector: the SiLU'd gate
                 # times up, which would make up depend on gate and keep them from joining
-                return None
+                raise Rejected("at M = 1 this multiply is by another matmul's result, not a scale")
             if ep.bias is not None:
                 raise Rejected("a multiply follows the bias add; the fused epilogue adds the bias last")
             if ep.block_scaled and any(axis is Axis.COL for _, axis in factors):

@@ -4,7 +4,7 @@ Matches: 2 or more ``fusepass.scaled_mm`` (or ``scaled_mm_azp``) calls on the sa
 value (and activation scale, and zero point) whose weight is
 ``W[lo:hi].t()`` and whose per-column operands (weight scale; row sums and bias where
 present) are ``X[lo:hi]`` of one buffer each, with the same ``lo:hi`` per call, and whose
-ranges touch (one call's ``hi`` is the next one's ``lo``). This is what the siblings that
+ranges touch (one call's ``hi`` is the next one's ``lo``; non-negative static bounds). This is what the siblings that
 ``fusepass.prepare`` puts in one buffer compute (``integrations/linear.py``): a Llama
 layer's q, k and v, its gate and up.
 
@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
 from .graph import VIEW_OPS, Inserter, aten, is_call, prims, tensor_val
-from .group import _independent, value_ids
+from .group import value_ids
 
 fusepass = torch.ops.fusepass
 NAME = "joined_siblings"
@@ -47,8 +47,8 @@ def _rows(node) -> tuple[fx.Node, int, int] | None:
     base, dim, lo, hi, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
     size = tensor_val(base).shape[0]
     lo, hi = lo or 0, size if hi is None else hi
-    if dim != 0 or step != 1 or not all(isinstance(v, int) for v in (lo, hi, size)) or lo < 0:
-        return None
+    if dim != 0 or step != 1 or not all(isinstance(v, int) for v in (lo, hi, size)) or min(lo, hi) < 0:
+        return None  # (negative bounds count from the end: not worth normalizing here)
     return base, lo, min(hi, size)
 
 
@@ -148,9 +148,10 @@ def join_siblings(graph: fx.Graph) -> list[list[str]]:
                 run.append(entry)
                 continue
             if len(run) >= 2:
+                # (none computed from another: they share their activation and the rest is
+                # buffers, so a member's result reaches no other member's operands)
                 nodes = sorted((e[2] for e in run), key=position.__getitem__)
-                if len(_independent(nodes)) == len(nodes):
-                    done.append([n.name for n in nodes])
-                    _replace(graph, nodes, {e[2]: e[:2] for e in run}, ins)
+                done.append([n.name for n in nodes])
+                _replace(graph, nodes, {e[2]: e[:2] for e in run}, ins)
             run = [entry]
     return done

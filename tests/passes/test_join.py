@@ -2,7 +2,7 @@
 
 Graph tests on ``W8A8Linear``s (fusepass.prepare's modules) sharing a ``Joint``: what joins
 (counts, the graph, numerics against eager) and what must not (other activations, ranges
-that do not touch, separate buffers, a member computed from another's result).
+that do not touch, separate buffers, bounds counted from the end).
 """
 
 from __future__ import annotations
@@ -114,19 +114,21 @@ def test_separate_buffers_are_not_joined():
     assert r.counts == {"dequant_mm": 2}, r.counts
 
 
-def test_a_member_computed_from_another_is_not_joined():
-    _, (a, b) = _joint([K, K], Act("int8"))
+def test_negative_bounds_are_not_joined():
+    """``w[32:-16]`` counts from the end: left alone, never read as an empty range."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (64, K), generator=g, dtype=torch.int8)
+    s = torch.rand(64, generator=g) / 100 + 1e-3
 
-    class Chain(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = a, b
+    def two(xq, xs, w, s):
+        return [torch.ops.fusepass.scaled_mm(xq, w[0:32].t(), xs, s[0:32], torch.bfloat16),
+                torch.ops.fusepass.scaled_mm(xq, w[32:-16].t(), xs, s[32:-16], torch.bfloat16)]
 
-        def forward(self, x):
-            return [self.b(self.a(x))]
-
-    r = run_pass(Chain(), _x())
-    assert r.counts == {"dequant_mm": 2}, r.counts
+    xq = torch.randint(-127, 128, (32, K), generator=g, dtype=torch.int8)
+    xs = torch.rand(32, 1, generator=g)
+    r = run_pass(two, xq, xs, w, s)
+    assert JOINED not in r.counts, r.counts
+    assert [tuple(o.shape) for o in r.out] == [(32, 32), (32, 16)]
 
 
 def test_join_off_in_the_config():
