@@ -208,8 +208,9 @@ class _Walker:
                 raise
             if ep.scaled and same(shape[0], 1) and any(axis is Axis.COL and _from_a_product(f) for f, axis in factors):
                 # At M = 1 an activation's [1, N] row reads as a column vector: the SiLU'd gate
-                # times up, which would make up depend on gate and keep them from joining
-                raise Rejected("at M = 1 this multiply is by another matmul's result, not a scale")
+                # times up, which would make up depend on gate and keep them from joining. Not a
+                # step, as the same product at M > 1 ([M, N]) is none: the epilogue ends whole.
+                return None
             if ep.bias is not None:
                 raise Rejected("a multiply follows the bias add; the fused epilogue adds the bias last")
             if ep.block_scaled and any(axis is Axis.COL for _, axis in factors):
