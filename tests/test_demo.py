@@ -122,6 +122,19 @@ def test_demo_quantized_by_compressed_tensors(capsys):
     _check_accuracy_and_tokens(out, 6)
 
 
+def test_demo_fails_where_the_pass_saw_no_quantized_matmul(monkeypatch, capsys):
+    """A model whose quantized matmuls never reach the pass (here: none are reported) is a
+    failure, not a run with nothing to say."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    from fusepass.demo import fusion, run
+
+    monkeypatch.setattr(fusion, "explain_steps", lambda model, steps, step: {})
+    monkeypatch.setattr(run, "_accuracy", lambda *args: True)
+    assert cli.main(["demo", *SHORT, *TINY_SIZES, "--batch", "1"]) == 1
+    assert "No quantized matmul reached the fusion pass in any graph" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 def test_demo_on_cuda_with_the_speed_table_and_its_plot(tmp_path, capsys):
     """The CUDA path at small sizes: the prefill compiled too, the speed table (bf16, stock

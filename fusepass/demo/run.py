@@ -61,7 +61,8 @@ def step(what: str):
 
 
 def run(o: Options) -> int:
-    """The whole demo; 0 if the fusepass-compiled model ran, else 1."""
+    """The whole demo; 0 if the fusepass-compiled model ran and the pass saw its quantized
+    matmuls, else 1."""
     with warnings.catch_warnings():
         # torchao's tensor subclasses have no stable hash: AOTAutograd's cache says so once a graph.
         warnings.filterwarnings("ignore", message=".*_stable_hash_for_caching.*")
@@ -75,7 +76,10 @@ def run(o: Options) -> int:
             _speed(o, model, qmodel, fmodel, ids)
     decisions = [d for r in reports.values() for d in r.decisions]
     partial = sum(bool(getattr(d, "partial", False)) for d in decisions)
-    if decisions and all(d.fused for d in decisions):
+    if not decisions:  # (a quantized model whose matmuls the pass never saw: graph breaks, say)
+        print("No quantized matmul reached the fusion pass in any graph: nothing was fused.")
+        return 1
+    if all(d.fused for d in decisions):
         print("Every quantized linear fused in every graph"
               + (f" ({partial} in part, see why above)." if partial else "."))
     else:
