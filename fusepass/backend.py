@@ -106,9 +106,9 @@ def _counts() -> tuple[Counter, Counter]:
 
 
 def _hint_prepare(example_inputs) -> None:
-    """Say once per process where a graph takes torchao's tensor-subclass weights: each costs host time
-    on every call (Dynamo's guards, AOTAutograd taking it apart), which ``fusepass.prepare``
-    removes."""
+    """Say once per process where a graph takes torchao's tensor-subclass weights: each costs
+    host time on every call (Dynamo's guards, AOTAutograd taking it apart), which
+    ``fusepass.prepare`` removes."""
     global _HINTED
     subclasses = sum(isinstance(x, torch.Tensor) and is_traceable_wrapper_subclass(x)
                      and type(x).__module__.startswith("torchao") for x in example_inputs)

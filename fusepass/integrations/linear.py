@@ -53,8 +53,6 @@ class Act:
             raise ValueError(f"Act.kind must be one of {self.KINDS}, got {self.kind!r}")
 
 
-
-
 def quantize_rows(x: torch.Tensor, act: Act):
     """``x`` (M, K) quantized per row: (q (M, K), scale (M, 1) fp32, zero point (M,) int32
     or None); for ``fp8-block`` per 128-wide group, scale (M, K / 128). Computed in fp32

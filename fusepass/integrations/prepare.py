@@ -8,8 +8,8 @@ backend rewrites the graph (which then keeps the AOTAutograd cache from serving 
 cannot drop Dynamo's guards without editing them. Those costs grow with the number of quantized
 weights: a decode step of 8 Llama-3-8B layers quantized by torchao int8 took 0.95 ms beyond its
 GPU kernels' time in CUDA graphs and 6.27 ms in default mode (H100, the backend then flattening
-the weights at compile time); prepared, 0.71 and 3.97 ms, against bf16's 0.60 and 2.12 ms. Plain tensors are
-guarded as a bf16 model's are, in C++, and the caches hit. Converting in place also lets
+the weights at compile time); prepared, 0.71 and 3.97 ms, against bf16's 0.60 and 2.12 ms.
+Plain tensors are guarded as a bf16 model's are, in C++, and the caches hit. Converting in place also lets
 siblings share one buffer (``linear.py``).
 
 What it converts (the checkpoint's quantized values and scales, never re-quantized):
@@ -123,12 +123,18 @@ def _describe_ct(scheme) -> str:
             f"activations {args(scheme.input_activations, activations=True)}")
 
 
+def _ct_scheme(module: nn.Module):
+    """A module's compressed-tensors ``QuantizationScheme``, or None."""
+    scheme = getattr(module, "quantization_scheme", None)
+    return scheme if type(scheme).__module__.startswith("compressed_tensors") else None
+
+
 def _compressed_tensors(linear: nn.Linear) -> _Quantized | str | None:
     """A compressed-tensors linear's checkpoint values (as ``from_pretrained`` loads them: an
     int8 / fp8 weight and its ``weight_scale``; or after a first forward, the weight
     decompressed to ``q * scale``, from which ``q`` comes back exactly), or why not."""
-    scheme = getattr(linear, "quantization_scheme", None)
-    if scheme is None or not type(scheme).__module__.startswith("compressed_tensors"):
+    scheme = _ct_scheme(linear)
+    if scheme is None:
         return None
     w, a, name = scheme.weights, scheme.input_activations, _describe_ct(scheme)
     if w is None or a is None or w.num_bits != 8 or a.num_bits != 8 or w.type != a.type:
@@ -213,9 +219,11 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
     Call it once, after quantizing (or loading) and before ``torch.compile``; the model then
     runs in eager too, on fusepass's ops."""
     report = Preparation()
-    if any(_compressed_tensors(m) is not None for m in model.modules() if isinstance(m, nn.Linear)):
-        _undo_compressed_tensors(model, [m for m in model.modules() if isinstance(m, nn.Linear)
-                                         and isinstance(_compressed_tensors(m), str)])
+    # each linear read once (after a first forward, reading a compressed-tensors weight divides it)
+    found_in = {m: _recognize(m) for m in model.modules() if isinstance(m, nn.Linear)}
+    compressed = [m for m in found_in if _ct_scheme(m) is not None]
+    if compressed:
+        _undo_compressed_tensors(model, [m for m in compressed if isinstance(found_in[m], str)])
     for parent_path, parent in list(model.named_modules()):
         # the children to convert, grouped by what one shared buffer needs in common
         groups: dict[tuple, list] = defaultdict(list)
@@ -223,7 +231,7 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
             if not isinstance(child, nn.Linear):
                 continue
             path = f"{parent_path}.{name}" if parent_path else name
-            found = _recognize(child)
+            found = found_in[child]
             if isinstance(found, str):
                 report.left[path] = found
                 log.debug("fusepass.prepare: left %s as it is: %s", path, found)

@@ -43,6 +43,13 @@ def tensor_val(node) -> torch.Tensor:
     return v
 
 
+def schema_args(node: fx.Node) -> list:
+    """An op call's arguments in schema order, defaults filled in."""
+    schema = node.target._schema
+    given = list(node.args)
+    return given + [node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(given):]]
+
+
 def location(node: fx.Node) -> str:
     """``file:line: code`` of the innermost user frame in the node's stack trace."""
     lines = (node.meta.get("stack_trace") or "").splitlines()

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
-from .graph import VIEW_OPS, Inserter, aten, is_call, prims, tensor_val
+from .graph import VIEW_OPS, Inserter, aten, is_call, prims, schema_args, tensor_val
 from .group import value_ids
 
 fusepass = torch.ops.fusepass
@@ -44,7 +44,7 @@ def _rows(node) -> tuple[fx.Node, int, int] | None:
     """(X, lo, hi) where ``node`` is ``X[lo:hi]`` (a step-1 slice of dim 0, static bounds)."""
     if node is None or not is_call(node, aten.slice.Tensor):
         return None
-    base, dim, lo, hi, step = (list(node.args) + [0, None, None, 1][len(node.args) - 1:])[:5]
+    base, dim, lo, hi, step = schema_args(node)
     size = tensor_val(base).shape[0]
     lo, hi = lo or 0, size if hi is None else hi
     if dim != 0 or step != 1 or not all(isinstance(v, int) for v in (lo, hi, size)) or min(lo, hi) < 0:
@@ -66,15 +66,9 @@ def _weight_rows(b) -> tuple[fx.Node, int, int] | None:
     return None
 
 
-def _args(node: fx.Node) -> list:
-    schema = node.target._schema
-    given = list(node.args)
-    return given + [node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(given):]]
-
-
 def _member(node: fx.Node, ids: dict):
     """(key, lo, hi) of a call that can join others, or None."""
-    args = _args(node)
+    args = schema_args(node)
     if tensor_val(args[1]).dim() != 2 or tensor_val(args[0]).dim() != 2:
         return None
     weight = _weight_rows(args[1])
@@ -102,22 +96,22 @@ def _replace(graph: fx.Graph, members: list, ranges: dict, ins: Inserter) -> Non
     join made the pass quadratic in the graph: 2.1 of its 7.3 s at 32 layers)."""
     lo0, hi_n = min(r[0] for r in ranges.values()), max(r[1] for r in ranges.values())
     ins.anchor = members[0]
-    args = _args(members[0])
+    args = schema_args(members[0])
     cut = lambda x: ins.call(aten.slice.Tensor, _rows(x)[0], 0, lo0, hi_n)  # noqa: E731
     new = list(args)
     new[1] = ins.call(aten.permute.default, cut(args[1].args[0]), [1, 0])
     for i in _ROWS[members[0].target]:
         if args[i] is not None:
             new[i] = cut(_peel_views(args[i]))
-    dtypes = {_args(m)[_OUT_DTYPE] for m in members}
+    dtypes = {schema_args(m)[_OUT_DTYPE] for m in members}
     new[_OUT_DTYPE] = dtypes.pop() if len(dtypes) == 1 else torch.float32
     out = ins.call(members[0].target, *new)
     parts = []
     for member in members:
         lo, hi = ranges[member]
         part = ins.call(aten.slice.Tensor, out, 1, lo - lo0, hi - lo0)
-        if _args(member)[_OUT_DTYPE] != new[_OUT_DTYPE]:
-            part = ins.call(prims.convert_element_type.default, part, _args(member)[_OUT_DTYPE])
+        if schema_args(member)[_OUT_DTYPE] != new[_OUT_DTYPE]:
+            part = ins.call(prims.convert_element_type.default, part, schema_args(member)[_OUT_DTYPE])
         part.meta["stack_trace"] = member.meta.get("stack_trace")
         parts.append(part)
     for member, part in zip(members, parts, strict=True):  # (the anchor goes last: nothing more before it)

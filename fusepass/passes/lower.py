@@ -34,15 +34,9 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from ..kernels.launch import GRAPH_SYMBOLS, INTERPRETED
 from ..ops.scaled_mm import IMPLS
+from .graph import schema_args
 
 log = logging.getLogger("fusepass.pass")
-
-
-def _arguments(node: fx.Node) -> list:
-    """The node's arguments in schema order, defaults filled in."""
-    schema = node.target._schema
-    given = list(node.args)
-    return given + [node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(given):]]
 
 
 def _symbol_source(graph: fx.Graph, symbol) -> fx.Node | None:
@@ -70,7 +64,7 @@ def _trace(node: fx.Node) -> tuple[fx.GraphModule, list] | None:
     they hold (see ``GRAPH_SYMBOLS``). None where a symbol has no source in the graph."""
     from torch._inductor.decomposition import select_decomp_table
 
-    impl, args = IMPLS[node.target], _arguments(node)
+    impl, args = IMPLS[node.target], schema_args(node)
     # Tensor arguments, list ones (scaled_mm_group's) flattened.
     tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, fx.Node)]
     fakes = [t.meta["val"] for t in tensors]
