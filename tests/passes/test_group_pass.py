@@ -86,6 +86,22 @@ return [getitem, getitem_1, getitem_2]""")
                     for g, e in zip(grouped.out, model(x)):
                         torch.testing.assert_close(g, e, rtol=0.05, atol=0.05)
 
+    def test_gate_up_at_decode_is_one_call(self):
+        """gate/up at M = 1: ``silu(gate)`` is a [1, N] row that reads like a per-column scale,
+        but it is computed from gate's result, so up's epilogue ends before it
+        (``epilogue._from_a_product``), and each writes bf16 (SiLU's fp32 upcast stays in the
+        graph): one launch, with the ungrouped graph's values."""
+        model = Siblings(widths=(16, 16))
+
+        def f(x):
+            return model.linears[1](x) * F.silu(model.linears[0](x))
+
+        grouped, ungrouped = run(f, x_of(1)), run(f, x_of(1), group_max_m=0)
+        self.assertEqual(grouped_calls(grouped), [2])
+        self.assertIn("fusepass.scaled_mm_group(", grouped.after)
+        self.assertNotIn("f32[1, 16] = fusepass", grouped.after)
+        torch.testing.assert_close(grouped.out, ungrouped.out, rtol=0, atol=0)
+
     def test_more_than_four_siblings_make_groups_of_four(self):
         self.assertEqual(grouped_calls(run(Siblings(widths=(16,) * 6), x_of(2))), [4, 2])
         self.assertEqual(grouped_calls(run(Siblings(widths=(16,) * 5), x_of(2))), [4])
@@ -121,18 +137,6 @@ class TestMustNotGroup(expecttest.TestCase):
             return model.linears[0](x), model.linears[1](x.float())  # fp32 in, fp32 out
 
         self.assert_apart(run(f, x_of(2)), fused=2)
-
-    def test_one_computed_from_the_other(self):
-        """gate/up at M = 1: silu(gate) is a [1, N] factor that up's epilogue takes as a
-        per-column scale, so up depends on gate and they cannot be one launch."""
-        model = Siblings(widths=(16, 16))
-
-        def f(x):
-            return model.linears[1](x) * F.silu(model.linears[0](x))
-
-        r = run(f, x_of(1))
-        self.assertEqual(grouped_calls(r), [])
-        self.assertEqual(r.counts.get("scaled_mm_group"), None)
 
     def test_not_where_decode_splits_k(self):
         """Inside Inductor's CUDA graphs (and for code its caller captures) decode launches

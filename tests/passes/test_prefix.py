@@ -68,6 +68,30 @@ return [mul_1, amax]""")
         (d,) = r.decisions
         self.assertTrue(d.fused and not d.partial, d)
 
+    def test_upcast_for_an_activation_stays_in_the_graph(self):
+        """``silu(y.to(bf16))`` computes in fp32: the op writes the bf16 the graph rounds to
+        (not fp32, twice the bytes) and the upcast fuses into SiLU's kernel."""
+
+        def f(a, b, sa, sb):
+            y = (torch._int_mm(a, b).float() * sa * sb).to(torch.bfloat16)
+            return F.silu(y.float())
+
+        r = run_pass(f, a, w.t(), sa, sb)
+        (d,) = r.decisions
+        self.assertTrue(d.fused and not d.partial, d)
+        self.assertIn("bf16[24, 40] = fusepass.scaled_mm(", r.after)
+        self.assertIn("prims.convert_element_type(scaled_mm_default, f32)", r.after)
+        torch.testing.assert_close(r.out, f(a, w.t(), sa, sb), rtol=1e-5, atol=1e-5)
+
+    def test_upcast_before_a_step_joins_the_epilogue(self):
+        def f(a, b, sa, sb):
+            return (torch._int_mm(a, b).float() * sa).to(torch.bfloat16).float() * sb
+
+        r = run_pass(f, a, w.t(), sa, sb)
+        (d,) = r.decisions
+        self.assertTrue(d.fused and not d.partial, d)
+        self.assertIn("f32[24, 40] = fusepass.scaled_mm(a, b, reshape_default, reshape_default_1, f32, None)", r.after)
+
     def test_torchao_asymmetric_zero_point_after_scaling(self):
         """torchao's Int8DynamicActivationInt8WeightConfig(act_mapping_type=ASYMMETRIC):
         acc * sa - (z * sa) * colsum, then * sw: one scaled_mm_azp, the correction exact."""
