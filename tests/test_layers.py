@@ -12,7 +12,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "fusepass"
 # (module-name prefix, layer): a module may import its own layer and those below
-LAYERS = [("fusepass.kernels", 0), ("fusepass.ops", 1), ("fusepass.passes", 2),
+LAYERS = [("fusepass._compat", 0), ("fusepass.kernels", 0), ("fusepass.ops", 1), ("fusepass.passes", 2),
           ("fusepass.backend", 3), ("fusepass.explain", 3), ("fusepass.integrations", 3),
           ("fusepass.distributed", 3), ("fusepass.demo", 4), ("fusepass.cli", 5), ("fusepass.__main__", 5),
           ("fusepass", 5)]

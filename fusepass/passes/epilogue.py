@@ -125,12 +125,21 @@ def _from_a_product(arg, depth: int = 12) -> bool:
 
 def _rewidens(cur: fx.Node, user: fx.Node) -> bool:
     """Whether ``user`` casts the float ``cur`` to a wider float: the consumer's upcast of a
-    rounded value (``silu`` and RMSNorm compute a bf16 input in fp32). Taken into the epilogue
-    only where a step follows it: else the op would write fp32 (twice the bytes; a
-    gate/up join at 2048 tokens writes 235 MB instead of 117) and drop the graph's rounding,
-    where the cast left in the graph fuses into its consumer for nothing."""
+    rounded value (``silu`` and RMSNorm compute a bf16 input in fp32). Where ops compute on
+    the upcast value (``_computed_on``) and no step follows it, the epilogue ends before it:
+    else the op would write fp32 (twice the bytes; a gate/up join at 2048 tokens writes 235 MB
+    instead of 117) and drop the graph's rounding, where the cast left in the graph fuses into
+    its consumers' kernel for nothing. An upcast the graph returns is taken: left alone, it
+    would be a kernel of its own."""
     to, frm = cast_dtype(user), tensor_val(cur).dtype
     return to in FLOAT_DTYPES and frm in FLOAT_DTYPES and to.itemsize > frm.itemsize
+
+
+def _computed_on(node: fx.Node) -> bool:
+    """Whether every user of ``node`` is an op that computes on it (not the graph's output,
+    nor another cast)."""
+    found = users(node)
+    return bool(found) and all(u.op == "call_function" and cast_dtype(u) is None for u in found)
 
 
 def _integer_source(arg):
@@ -199,7 +208,7 @@ class _Walker:
         if out is None or len(out.shape) != len(shape) and not is_call(user, *VIEW_OPS):
             return None
         if cast_dtype(user) is not None:  # to float, or widening int32 -> int64 (exact)
-            if _rewidens(cur, user) and not self._leads_to_a_step(user):
+            if _rewidens(cur, user) and _computed_on(user) and not self._leads_to_a_step(user):
                 return None
             widening = cast_dtype(user) == torch.int64 and tensor_val(cur).dtype == torch.int32
             return _noop if cast_dtype(user) in FLOAT_DTYPES or widening else None

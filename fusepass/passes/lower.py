@@ -17,7 +17,9 @@ the ``triton_op``):
 - on CPU: the reference's ATen ops, which Inductor fuses into its C++ kernels (and which an
   AOTInductor package then holds, with no Python op to call back).
 
-The config choice and the input checks run here, at trace time, once.
+The config choice and the input checks run here, at trace time, once. Inductor then analyses
+each launch's kernel for the arguments it writes; ``fusepass._compat`` has it do so once per
+kernel signature rather than once per call site.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
+from .._compat import memoize_kernel_analysis
+from ..kernels import KERNELS
 from ..kernels.launch import GRAPH_SYMBOLS, INTERPRETED
 from ..ops.scaled_mm import IMPLS
 from .graph import schema_args
@@ -128,4 +132,6 @@ def lower(graph: fx.Graph) -> int:
             continue
         _splice(graph, node, *traced)
         count += 1
+    if count:  # (Inductor analyses each lowered launch: once per signature, not per site)
+        memoize_kernel_analysis(KERNELS)
     return count

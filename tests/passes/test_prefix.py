@@ -92,6 +92,16 @@ return [mul_1, amax]""")
         self.assertTrue(d.fused and not d.partial, d)
         self.assertIn("f32[24, 40] = fusepass.scaled_mm(a, b, reshape_default, reshape_default_1, f32, None)", r.after)
 
+    def test_upcast_the_graph_returns_joins_the_epilogue(self):
+        """Left in the graph it would be a kernel of its own: the op writes fp32 directly."""
+
+        def f(a, b, sa, sb):
+            return (torch._int_mm(a, b).float() * sa * sb).to(torch.bfloat16).float()
+
+        r = run_pass(f, a, w.t(), sa, sb)
+        self.assertIn("f32[24, 40] = fusepass.scaled_mm(", r.after)
+        self.assertNotIn("convert_element_type", r.after)
+
     def test_torchao_asymmetric_zero_point_after_scaling(self):
         """torchao's Int8DynamicActivationInt8WeightConfig(act_mapping_type=ASYMMETRIC):
         acc * sa - (z * sa) * colsum, then * sw: one scaled_mm_azp, the correction exact."""

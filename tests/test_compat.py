@@ -1,0 +1,78 @@
+"""``fusepass._compat``: Inductor's analysis of a fused GEMM launch runs once per kernel
+signature, not once per call site; every other kernel's analysis is left as it is."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._higher_order_ops import triton_kernel_wrap as wrap
+
+from fusepass import _compat
+from fusepass.kernels import KERNELS, scaled_mm_kernel
+
+
+class Counting:
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, kernel, kwargs, tma):
+        self.calls.append(kwargs)
+        return ["out_ptr"]
+
+
+def _args(dtype=torch.int8, M=1, **extra):
+    return {"a_ptr": torch.empty(2, dtype=dtype, device="meta"), "M": M, "BLOCK_M": 16, "bias_ptr": None, **extra}
+
+
+def test_one_analysis_per_signature():
+    inner = Counting()
+    memo = _compat._memoized(inner, frozenset(KERNELS))
+    first = memo(scaled_mm_kernel, _args(), {})
+    assert first == ["out_ptr"]
+    first.append("changed by a caller")  # (each site gets its own list)
+    assert memo(scaled_mm_kernel, _args(), {}) == ["out_ptr"]  # another tensor, same signature
+    assert len(inner.calls) == 1
+    memo(scaled_mm_kernel, _args(torch.float8_e4m3fn), {})  # another dtype
+    memo(scaled_mm_kernel, _args(M=16), {})  # another size (Triton specializes on it)
+    memo(scaled_mm_kernel, _args(M=32), {})
+    assert len(inner.calls) == 4
+
+
+def test_symbolic_sizes_share_an_analysis():
+    import sympy
+
+    inner = Counting()
+    memo = _compat._memoized(inner, frozenset(KERNELS))
+    memo(scaled_mm_kernel, _args(M=sympy.Symbol("s0")), {})
+    memo(scaled_mm_kernel, _args(M=sympy.Symbol("s1") * 2), {})
+    assert len(inner.calls) == 1  # (the IR takes any symbolic size as the same placeholder)
+
+
+@pytest.mark.parametrize("kernel, args, tma", [
+    ("another kernel", _args(), {}),  # not ours: analysed as before
+    (scaled_mm_kernel, _args(extra=[1, 2]), {}),  # an unhashable argument
+    (scaled_mm_kernel, _args(), {"a_ptr": ("stable", ([16, 16],))}),  # a TMA descriptor argument
+])
+def test_left_alone(kernel, args, tma):
+    inner = Counting()
+    memo = _compat._memoized(inner, frozenset(KERNELS))
+    memo(kernel, args, tma)
+    memo(kernel, args, tma)
+    assert len(inner.calls) == 2
+
+
+def test_installed_once_on_this_torch(monkeypatch):
+    name = next(n for n in _compat._ANALYSES if hasattr(wrap, n))
+    original = getattr(wrap, name)
+    monkeypatch.setattr(wrap, name, getattr(original, "__wrapped__", original))
+    assert _compat.memoize_kernel_analysis(KERNELS)
+    installed = getattr(wrap, name)
+    assert installed.__wrapped__ is getattr(original, "__wrapped__", original)
+    assert installed.fusepass_kernels == frozenset(KERNELS)
+    assert _compat.memoize_kernel_analysis(KERNELS[:1]) and getattr(wrap, name) is installed  # idempotent
+
+
+def test_a_torch_without_the_analysis(monkeypatch):
+    for name in _compat._ANALYSES:
+        monkeypatch.delattr(wrap, name, raising=False)
+    assert not _compat.memoize_kernel_analysis(KERNELS)
