@@ -14,7 +14,9 @@ hand-written form (``demo/handwritten.py``) under fusepass; a compressed-tensors
 tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64 against a
 ``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``).
 
-Per cell (variant, mode, step), each compiled afresh with ``dynamic=False``:
+Per cell (variant, mode, step), with ``dynamic=False``; the variants of one (mode, step) are
+compiled and warmed one after another, then timed in alternating rounds (``ROUNDS``), so a
+drift of the machine's speed, which runs of these machines show, falls on them alike:
 - ``compile_s``: the first call (compile and run), wall time (``--profile-compile DIR``: under
   cProfile, its stats in DIR);
 - ``step_ms``: the median of ``--calls`` calls after 5, CUDA events around each call (host time
@@ -150,9 +152,17 @@ def _first_call(call, graphs: bool, profile: str | None) -> None:
     prof.dump_stats(profile)
 
 
-def cell(model, variant: str, mode: str, step: str, ids, cache_len: int, calls: int,
-         profile: str | None = None) -> dict:
-    torch._dynamo.reset()
+ROUNDS = 4  # timed rounds per cell group: the variants alternate, so a drift hits them alike
+
+
+def _error(e: Exception) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+def _start(model, variant: str, mode: str, step: str, ids, cache_len: int, profile: str | None):
+    """Compile and warm up one cell: (its row with ``compile_s``, its call), or (the row with
+    its error, None)."""
     fn = _compiled(model, variant, mode)
     graphs = mode == "graphs"
     row = {"variant": variant, "mode": mode, "step": step}
@@ -164,16 +174,43 @@ def cell(model, variant: str, mode: str, step: str, ids, cache_len: int, calls: 
             row["compile_s"] = round(time.perf_counter() - t, 1)
             for _ in range(5):
                 _timed(call, graphs)
-            # (decode: calls + 5 + 5 + 1 steps fill fewer than cache_len slots)
-            row["step_ms"] = round(statistics.median(_timed(call, graphs) for _ in range(calls)), 3)
-            if not torch.cuda.is_available():
-                return row
-            kernel_ms, kernels = _profiled(call, graphs)
     except Exception as e:  # noqa: BLE001  e.g. torch._int_mm needs M > 16 on CUDA
-        row["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
-        return row
-    row.update(kernel_ms=round(kernel_ms, 3), kernels=round(kernels, 1), gap_ms=round(row["step_ms"] - kernel_ms, 3))
-    return row
+        row["error"] = _error(e)
+        return row, None
+    return row, call
+
+
+def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, profiles: dict) -> list[dict]:
+    """One row per variant of ``built`` (variant: model) at (mode, step): each compiled and
+    warmed in turn, then all timed in ROUNDS alternating rounds (``calls`` each in all; the
+    median), then profiled. ``profiles``: variant -> cProfile path of its compile, or None."""
+    torch._dynamo.reset()
+    graphs = mode == "graphs"
+    started = [_start(model, v, mode, step, ids, cache_len, profiles.get(v)) for v, model in built.items()]
+    times: list[list[float]] = [[] for _ in started]
+    with torch.no_grad():
+        for r in range(ROUNDS):
+            for (row, call), ts in zip(started, times):
+                if call is None or "error" in row:
+                    continue
+                try:  # (decode: calls + 5 + 5 + 1 steps fill fewer than cache_len slots)
+                    ts += [_timed(call, graphs) for _ in range(calls * (r + 1) // ROUNDS - calls * r // ROUNDS)]
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = _error(e)
+        for (row, call), ts in zip(started, times):
+            if "error" in row:
+                continue
+            row["step_ms"] = round(statistics.median(ts), 3)
+            if not torch.cuda.is_available():
+                continue
+            try:
+                kernel_ms, kernels = _profiled(call, graphs)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = _error(e)
+                continue
+            row.update(kernel_ms=round(kernel_ms, 3), kernels=round(kernels, 1),
+                       gap_ms=round(row["step_ms"] - kernel_ms, 3))
+    return [row for row, _ in started]
 
 
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
@@ -200,25 +237,26 @@ def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls,
         warnings.simplefilter("ignore")
         base = models.random_llama(sizes, max(cache_len, prefill), device, 0)
         ids = models.prompt(base, 64, prefill, 0)
-        rows = []
+        built = {}
         for variant in variants:
             t = time.perf_counter()
-            model = build(variant, base, log)
+            built[variant] = build(variant, base, log)
             log(f"[{sizes.layers} layers] {variant}: built in {time.perf_counter() - t:.1f} s")
-            for mode in modes:
-                for step in steps:
-                    profile = (os.path.join(profile_dir, f"{sizes.layers}-{variant}-{mode}-{step}.prof")
-                               if profile_dir else None)
-                    row = {**meta, "layers": sizes.layers,
-                           **cell(model, variant, mode, step, ids, cache_len, calls, profile)}
-                    rows.append(row)
-                    log(f"[{sizes.layers} layers] {variant} {mode} {step}: {_line(row)}")
-                    if out:
-                        append(out, [row])
-            if model is not base:
-                del model
-            gc.collect()
-            torch.cuda.empty_cache()
+        rows = []
+        for mode in modes:
+            for step in steps:
+                profiles = {v: os.path.join(profile_dir, f"{sizes.layers}-{v}-{mode}-{step}.prof") if profile_dir
+                            else None for v in variants}
+                group = [{**meta, "layers": sizes.layers, **row}
+                         for row in cells(built, mode, step, ids, cache_len, calls, profiles)]
+                for row in group:
+                    log(f"[{sizes.layers} layers] {row['variant']} {mode} {step}: {_line(row)}")
+                if out:
+                    append(out, group)
+                rows += group
+        del built
+        gc.collect()
+        torch.cuda.empty_cache()
     return rows
 
 

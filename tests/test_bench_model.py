@@ -52,6 +52,18 @@ def test_a_failing_cell_is_a_row_with_its_error(monkeypatch):
     assert "fails: RuntimeError: no such step" in bench.report(rows)
 
 
+def test_variants_are_timed_in_alternating_rounds(monkeypatch):
+    """A drift of the machine's speed falls on every variant alike."""
+    seen = []
+    monkeypatch.setattr(bench, "_timed", lambda call, graphs: seen.append(call) or 1.0)
+    rows = bench.run([1], ["bf16", "int8"], ["default"], ["b1"], prefill=8, cache_len=32, calls=8, out=None,
+                     sizes=SMALL, log=lambda _: None)
+    assert [r["step_ms"] for r in rows] == [1.0, 1.0]
+    first, second = seen[0], seen[6]  # each: the first call and 5 warm-up calls, in turn
+    assert seen[:12] == [first] * 6 + [second] * 6
+    assert seen[12:] == [first, first, second, second] * bench.ROUNDS
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--variants", "int9"], "--variants: unknown ['int9']"),
     (["--layers", "x"], "--layers: not a comma list of integers"),
