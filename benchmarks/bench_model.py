@@ -290,22 +290,23 @@ def report(rows: list[dict]) -> str:
     lines = []
     for depth in sorted({r["layers"] for r in rows}):
         lines += [f"\n{depth} layers ({', '.join(sorted({r['gpu'] for r in rows if r['layers'] == depth}))})",
-                  "| variant | mode | step | step ms | vs bf16 | kernel ms | kernels | gap ms | compile s |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| run | variant | mode | step | step ms | vs bf16 | kernel ms | kernels | gap ms | compile s |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in [r for r in rows if r["layers"] == depth]:
             if "error" in r:
-                lines.append(f"| {r['variant']} | {r['mode']} | {r['step']} | fails: {r['error']} | | | | | |")
+                lines.append(f"| {r['run']} | {r['variant']} | {r['mode']} | {r['step']} | fails: {r['error']} | | | | | |")
                 continue
             base = bf16.get((r["run"], r["layers"], r["mode"], r["step"]))
             ratio = f"{base / r['step_ms']:.2f}x" if base and r["variant"] != "bf16" else ""
             gpu = [f"{r[k]:{f}}" if k in r else "" for k, f in (("kernel_ms", ".3f"), ("kernels", ".0f"), ("gap_ms", ".3f"))]
-            lines.append(f"| {r['variant']} | {r['mode']} | {r['step']} | {r['step_ms']:.3f} | {ratio} | "
+            lines.append(f"| {r['run']} | {r['variant']} | {r['mode']} | {r['step']} | {r['step_ms']:.3f} | {ratio} | "
                          f"{' | '.join(gpu)} | {r['compile_s']} |")
     return "\n".join(lines).strip()
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Step time against bf16's (same run, mode and step), one panel per depth."""
+    """Step time against bf16's (same run, mode and step), one panel per depth; of a cell
+    timed in several runs, the last run's."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,6 +314,8 @@ def plot(rows: list[dict], path: str) -> None:
 
     bf16 = {(r["run"], r["layers"], r["mode"], r["step"]): r["step_ms"] for r in rows
             if r["variant"] == "bf16" and "step_ms" in r}
+    latest = {(r["layers"], r["variant"], r["mode"], r["step"]): r for r in rows if "step_ms" in r}
+    rows = list(latest.values())
     depths = sorted({r["layers"] for r in rows})
     fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4), squeeze=False)
     for ax, depth in zip(axes[0], depths, strict=True):

@@ -28,8 +28,9 @@ def test_cells_append_and_report(tmp_path):
     rows = json.load(open(out))
     assert rows == first + second and first[0]["run"] != second[0]["run"]
     table = bench.report(rows)
-    ratios = [line for line in table.splitlines() if line.startswith("| int8 | default | b1 |")]
-    assert len(ratios) == 2 and all(line.split(" | ")[4].endswith("x") for line in ratios), table
+    ratios = [line for line in table.splitlines() if " | int8 | default | b1 | " in line]
+    assert len(ratios) == 2 and all(line.split(" | ")[5].endswith("x") for line in ratios), table
+    assert [line.split(" | ")[0] for line in ratios] == [f"| {first[0]['run']}", f"| {second[0]['run']}"]
 
 
 def test_profile_compile_writes_the_first_calls_stats(tmp_path):
@@ -77,3 +78,14 @@ def test_bad_flags(argv, message, capsys, monkeypatch):
     with pytest.raises(SystemExit) as e:
         bench.main(["--variants", "bf16", "--modes", "default", *argv])
     assert message in f"{e.value.code} {capsys.readouterr().err}"
+
+
+def test_plot_takes_each_cells_last_run(tmp_path, monkeypatch):
+    rows = [{"run": run, "layers": 2, "variant": v, "mode": "graphs", "step": "b1", "step_ms": ms}
+            for run, v, ms in (("a", "bf16", 2.0), ("a", "int8", 1.0), ("b", "bf16", 2.0), ("b", "int8", 1.6))]
+    drawn = []
+    import matplotlib.axes
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, xs, heights, *a, **k: drawn.append(list(heights)))
+    bench.plot(rows, str(tmp_path / "p.png"))
+    assert drawn == [[1.25]] and (tmp_path / "p.png").stat().st_size > 0
