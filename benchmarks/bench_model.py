@@ -22,7 +22,9 @@ drift of the machine's speed, which runs of these machines show, falls on them a
 - ``step_ms``: the median of ``--calls`` calls after 5, CUDA events around each call (host time
   included, as a user's loop sees it);
 - ``kernel_ms`` and ``kernels``: the GPU kernels' time and count per call (``torch.profiler``,
-  over 5 calls), and ``gap_ms`` = ``step_ms - kernel_ms``: the time the GPU waits on the host.
+  over 5 calls), and ``gap_ms`` = ``step_ms - kernel_ms``: the time the GPU waits on the host
+  (``--profile-steps DIR``: what the host does in 5 steps, by cProfile, and the kernels by
+  name, in DIR).
 
 Each run appends its rows to ``--out`` (one JSON list, a ``run`` id per process), so a full table
 can be built over several calls; ratios are only ever taken within one run (one process).
@@ -125,8 +127,9 @@ def _timed(call, graphs: bool) -> float:
     return start.elapsed_time(end)
 
 
-def _profiled(call, graphs: bool, calls: int = 5) -> tuple[float, float]:
-    """(GPU kernel ms, kernels) per call, over ``calls`` calls."""
+def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> tuple[float, float]:
+    """(GPU kernel ms, kernels) per call, over ``calls`` calls; ``table``: a path to write the
+    kernels' time and launches per call there, by kernel name, slowest first."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -137,7 +140,35 @@ def _profiled(call, graphs: bool, calls: int = 5) -> tuple[float, float]:
             call()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if table:
+        by_name: dict = {}
+        for e in kernels:
+            us, n = by_name.get(e.name, (0.0, 0))
+            by_name[e.name] = (us + e.device_time / calls, n + 1 / calls)
+        with open(table, "w") as f:
+            f.write("us/call  launches/call  kernel\n")
+            f.writelines(f"{us:8.1f}  {n:6.1f}  {name}\n" for name, (us, n) in sorted(by_name.items(), key=lambda i: -i[1][0]))
     return sum(e.device_time for e in kernels) / 1e3 / calls, len(kernels) / calls
+
+
+def _host_profiled(call, graphs: bool, calls: int, path: str) -> None:
+    """``calls`` calls under cProfile, the 40 functions of most own time written to ``path``:
+    what the host does per step, the GPU's waits in default mode."""
+    import cProfile
+    import io
+    import pstats
+
+    with cProfile.Profile() as prof:
+        for _ in range(calls):
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            call()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    with open(path, "w") as f:
+        f.write(f"{calls} calls\n{text.getvalue()}")
 
 
 def _first_call(call, graphs: bool, profile: str | None) -> None:
@@ -183,10 +214,12 @@ def _start(model, variant: str, mode: str, step: str, ids, cache_len: int, profi
 def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, profiles: dict) -> list[dict]:
     """One row per variant of ``built`` (variant: model) at (mode, step): each compiled and
     warmed in turn, then all timed in ROUNDS alternating rounds (``calls`` each in all; the
-    median), then profiled. ``profiles``: variant -> cProfile path of its compile, or None."""
+    median), then profiled. ``profiles``: variant -> (cProfile path of its compile, path prefix
+    of its steps' profiles), each or None."""
     torch._dynamo.reset()
     graphs = mode == "graphs"
-    started = [_start(model, v, mode, step, ids, cache_len, profiles.get(v)) for v, model in built.items()]
+    started = [_start(model, v, mode, step, ids, cache_len, profiles.get(v, (None, None))[0])
+               for v, model in built.items()]
     times: list[list[float]] = [[] for _ in started]
     with torch.no_grad():
         for r in range(ROUNDS):
@@ -201,10 +234,13 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
             if "error" in row:
                 continue
             row["step_ms"] = round(statistics.median(ts), 3)
+            steps = profiles.get(row["variant"], (None, None))[1]
+            if steps:  # (decode: 5 more steps; --cache holds --calls + 11)
+                _host_profiled(call, graphs, 5, steps + "-host.txt")
             if not torch.cuda.is_available():
                 continue
             try:
-                kernel_ms, kernels = _profiled(call, graphs)
+                kernel_ms, kernels = _profiled(call, graphs, table=steps and steps + "-kernels.txt")
             except Exception as e:  # noqa: BLE001
                 row["error"] = _error(e)
                 continue
@@ -215,10 +251,12 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
 
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
         cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, profile_dir: str | None = None,
-        log=print) -> list[dict]:
+        steps_dir: str | None = None, log=print) -> list[dict]:
     """Time every (depth, variant, mode, step) cell; ``sizes``: the model's but for its depth.
     On a CPU (tests: a small ``sizes``) cells have wall times only. ``profile_dir``: each
-    cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``."""
+    cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``;
+    ``steps_dir``: its steps, ``<cell>-host.txt`` (cProfile) and ``<cell>-kernels.txt`` (GPU
+    kernels by name)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
@@ -227,12 +265,12 @@ def run(layers: list[int], variants: list[str], modes: list[str], steps: list[st
     for depth in layers:
         sizes = dataclasses.replace(sizes, layers=depth)
         rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
-                           profile_dir)
+                           profile_dir, steps_dir)
     return rows
 
 
 def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
-               profile_dir) -> list[dict]:
+               profile_dir, steps_dir) -> list[dict]:
     with models.quiet_imports(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = models.random_llama(sizes, max(cache_len, prefill), device, 0)
@@ -245,8 +283,9 @@ def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls,
         rows = []
         for mode in modes:
             for step in steps:
-                profiles = {v: os.path.join(profile_dir, f"{sizes.layers}-{v}-{mode}-{step}.prof") if profile_dir
-                            else None for v in variants}
+                names = {v: f"{sizes.layers}-{v}-{mode}-{step}" for v in variants}
+                profiles = {v: (profile_dir and os.path.join(profile_dir, name + ".prof"),
+                                steps_dir and os.path.join(steps_dir, name)) for v, name in names.items()}
                 group = [{**meta, "layers": sizes.layers, **row}
                          for row in cells(built, mode, step, ids, cache_len, calls, profiles)]
                 for row in group:
@@ -350,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-compile", metavar="DIR", default=None,
                     help="profile each cell's first call (the compile) with cProfile into DIR "
                          "(read with python -m pstats)")
+    ap.add_argument("--profile-steps", metavar="DIR", default=None,
+                    help="after timing, profile each cell's steps into DIR: the host's functions "
+                         "(cProfile) and the GPU's kernels by name")
     ap.add_argument("--report", default=None, help="print the tables of this JSON list (no run)")
     ap.add_argument("--plot", default=None, help="with --report: also plot it to this PNG")
     args = ap.parse_args(argv)
@@ -368,14 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     variants = _csv(args.variants, VARIANTS, "--variants")
     modes = _csv(args.modes, MODES, "--modes")
     steps = _csv(args.steps, STEPS, "--steps")
-    if args.profile_compile and not os.path.isdir(args.profile_compile):
-        ap.error(f"--profile-compile {args.profile_compile}: no such directory")
+    for flag, path in (("--profile-compile", args.profile_compile), ("--profile-steps", args.profile_steps)):
+        if path and not os.path.isdir(path):
+            ap.error(f"{flag} {path}: no such directory")
     if not torch.cuda.is_available() and ("graphs" in modes or {"fp8", "fp8-stock"} & set(variants)):
         ap.error("CUDA graphs and the fp8 variants need a CUDA GPU")
-    if args.calls + 11 > args.cache:
-        ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps")
+    if args.calls + 11 + (5 if args.profile_steps else 0) > args.cache:
+        ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps (+ 5 with --profile-steps)")
     rows = run(layers, variants, modes, steps, prefill=args.prefill, cache_len=args.cache, calls=args.calls,
-               out=args.out, profile_dir=args.profile_compile)
+               out=args.out, profile_dir=args.profile_compile, steps_dir=args.profile_steps)
     print(report(rows))
     return 0
 

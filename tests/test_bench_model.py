@@ -42,6 +42,13 @@ def test_profile_compile_writes_the_first_calls_stats(tmp_path):
     assert any(func[2] == "fusepass_backend" for func in stats.stats), "the compile was profiled"
 
 
+def test_profile_steps_writes_the_hosts_functions(tmp_path):
+    bench.run([1], ["int8"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+              steps_dir=str(tmp_path), log=lambda _: None)
+    text = (tmp_path / "1-int8-default-b1-host.txt").read_text()
+    assert text.startswith("5 calls") and "tottime" in text  # (the kernels' table needs a GPU)
+
+
 def test_a_failing_cell_is_a_row_with_its_error(monkeypatch):
     def fails(*args):
         raise RuntimeError("no such step\nmore")
@@ -69,6 +76,8 @@ def test_variants_are_timed_in_alternating_rounds(monkeypatch):
     (["--variants", "int9"], "--variants: unknown ['int9']"),
     (["--layers", "x"], "--layers: not a comma list of integers"),
     (["--calls", "30", "--cache", "32"], "--cache (32) must hold --calls + 11 decode steps"),
+    (["--calls", "20", "--cache", "32", "--profile-steps", "."], "(+ 5 with --profile-steps)"),
+    (["--profile-steps", "/nonexistent"], "--profile-steps /nonexistent: no such directory"),
     (["--modes", "graphs"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
     (["--variants", "fp8"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
     (["--profile-compile", "/no/such/dir"], "--profile-compile /no/such/dir: no such directory"),
