@@ -10,11 +10,14 @@ Three ways in: ``torch.compile(model, backend="fusepass")``;
 plain-tensor ones, once.
 """
 
+from ._compat import warn_untested
 from .backend import fusepass_backend, inductor_options
 from .explain import Report, explain
 from .integrations import Preparation, W8A8Linear, prepare
 from .ops import int_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise, scaled_mm_group
 from .passes import FusePass, PassConfig
+
+warn_untested()
 
 __all__ = [
     "FusePass",

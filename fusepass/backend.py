@@ -17,10 +17,11 @@ import logging
 from collections import Counter
 
 import torch
-from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ._compat import (
+    CustomGraphPass, aot_capture, compile_fx, counters, inductor_config, is_traceable_wrapper_subclass, mode_options,
+    register_backend,
+)
 from .kernels.launch import splitting_outside_graphs
 from .passes import FusePass, PassConfig
 from .passes.choices import decode_reductions
@@ -89,7 +90,7 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     # 2.94e-2 from the float model's against eager torchao's 2.29e-2; with it 2.25e-2
     # (relative error, H200). An explicit False is kept.
     opts.setdefault("emulate_precision_casts", True)
-    hook = opts.get(_HOOK, getattr(torch._inductor.config, _HOOK))
+    hook = opts.get(_HOOK, getattr(inductor_config(), _HOOK))
     found = _fusepass_in(hook)
     if config is None and found is not None:
         config = found.config
@@ -129,10 +130,7 @@ def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict 
 
     On an FX-graph-cache hit the pass does not run; ``counters["fusepass"]`` is filled
     from the counts Inductor replays from the cache entry (see ``fuse_pass.count``)."""
-    from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
-
-    patches = dict(list_mode_options(mode)) if mode else {}
+    patches = mode_options(mode) if mode else {}
     patches.update(options or {})
     (ours, inductor) = _counts()
     _hint_prepare(example_inputs)
@@ -150,17 +148,12 @@ def capture_backend(on_graph):
     """A backend that stops where the pass runs: AOT-trace with Inductor's decompositions
     and joint-graph passes (the graph the pass sees inside Inductor), call ``on_graph(gm)``,
     then run the graph eagerly. For ``explain`` and tests: no Inductor code generation."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
-
     def forward_compiler(gm, example_inputs):
-        joint_graph_passes(gm)
         on_graph(gm)
         gm.recompile()
         return gm.forward
 
-    return aot_autograd(fw_compiler=forward_compiler, decompositions=select_decomp_table())
+    return aot_capture(forward_compiler)
 
 
 def _register_name() -> None:
@@ -173,8 +166,7 @@ def _register_name() -> None:
 
     if entry_points(group="torch_dynamo_backends", name="fusepass"):
         return
-    if "fusepass" not in torch._dynamo.list_backends(exclude_tags=()):
-        torch._dynamo.register_backend(fusepass_backend, name="fusepass")
+    register_backend(fusepass_backend, name="fusepass")
 
 
 _register_name()

@@ -76,3 +76,57 @@ def test_a_torch_without_the_analysis(monkeypatch):
     for name in _compat._ANALYSES:
         monkeypatch.delattr(wrap, name, raising=False)
     assert not _compat.memoize_kernel_analysis(KERNELS)
+
+
+# ATen ops a user's graph holds (the pass matches them), not internals.
+OPS = {"_scaled_mm", "_int_mm"}
+
+
+def _private_uses(path) -> list[str]:
+    """Imports of, and attribute chains into, torch's and Triton's underscore-named parts."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            names = [f"{node.value.id}.{node.attr}"]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] in ("torch", "triton") and any(p.startswith("_") and p not in OPS for p in parts[1:]):
+                found.append(f"{path.name}:{node.lineno}: {name}")
+    return found
+
+
+def test_private_names_live_in_compat_only():
+    from pathlib import Path
+
+    package = Path(_compat.__file__).parent
+    found = [use for path in sorted(package.rglob("*.py")) if path.name != "_compat.py" for use in _private_uses(path)]
+    assert found == [], found
+    assert _private_uses(Path(_compat.__file__))  # (the check sees them where they are)
+
+
+@pytest.mark.parametrize("torch_version, triton_version, untested", [
+    ("2.11.0+cu130", "3.6.0", []),
+    ("2.13.0+cpu", "3.9.0", []),
+    ("2.14.0", "3.6.0", ["torch 2.14.0"]),
+    ("2.10.1", "3.10.0", ["torch 2.10.1", "triton 3.10.0"]),
+])
+def test_untested_versions_are_named(monkeypatch, caplog, torch_version, triton_version, untested):
+    import logging
+
+    import triton
+
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    assert _compat.untested_versions() == untested
+    with caplog.at_level(logging.WARNING, logger="fusepass"):
+        _compat.warn_untested()
+    assert bool(caplog.records) == bool(untested)
+    if untested:
+        assert "tested on torch 2.11-2.13 and Triton 3.6-3.9" in caplog.text and untested[0] in caplog.text

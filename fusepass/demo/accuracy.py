@@ -44,7 +44,7 @@ def greedy(name: str, model, ids: torch.Tensor, new_tokens: int, backend=None, c
         logits.append(out.logits[0].float().clone())
         return out
 
-    torch._dynamo.reset()
+    torch.compiler.reset()
     model.forward = recording  # generate calls the model, hence the compiled forward
     try:
         with torch.no_grad():

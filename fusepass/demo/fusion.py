@@ -14,7 +14,7 @@ def explain_steps(model, steps: dict[str, dict], step) -> dict[str, Report]:
     reports = {}
     for label, kwargs in steps.items():
         with step(f"tracing {label} for the fusion report"):
-            torch._dynamo.reset()  # a fresh cache each time: never the recompile limit
+            torch.compiler.reset()  # a fresh cache each time: never the recompile limit
             reports[label] = explain(model, dynamic=False, **kwargs)
     return reports
 

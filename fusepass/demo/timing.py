@@ -96,7 +96,7 @@ def measure(variants, ids: torch.Tensor, batches: tuple[int, ...], max_len: int,
             for mode_name, mode in MODES.items() if cuda else [("default", None)]:
                 res = Result(name, mode_name)
                 table.results.append(res)
-                torch._dynamo.reset()
+                torch.compiler.reset()
                 fn = torch.compile(model, mode=mode, dynamic=False, **kwargs)
                 for label in table.steps:
                     with step(f"compiling and timing {name}, {mode_name}: {label}") as note:

@@ -32,6 +32,8 @@ from contextvars import ContextVar
 import torch
 from torch.library import wrap_triton
 
+from .._compat import current_raw_stream
+
 # Entries per cache before it starts afresh: each (M, N, K) of an eager caller is one.
 MAX_ENTRIES = 4096
 
@@ -45,7 +47,7 @@ def launch_compiled(entry: tuple, grid: tuple, args, device: int | None = None) 
     """Launch ``entry`` = (CompiledKernel, its constexpr values) on the current stream of
     ``device`` (the current device's index where the caller has it at hand)."""
     compiled, constexprs = entry
-    stream = torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if device is None else device)
+    stream = current_raw_stream(torch.cuda.current_device() if device is None else device)
     compiled[grid](*args, *constexprs, stream=stream)
 
 
@@ -128,7 +130,7 @@ def split_scratch(split_k: int, tiles: int, M: int, N: int, acc_dtype: torch.dty
         return (torch.empty((numel,), dtype=acc_dtype, device=device),
                 torch.zeros((tiles,), dtype=torch.int32, device=device))
     index = device.index if device.index is not None else torch.cuda.current_device()
-    kept = _SCRATCH.setdefault((index, torch._C._cuda_getCurrentRawStream(index)), {})
+    kept = _SCRATCH.setdefault((index, current_raw_stream(index)), {})
     tickets = kept.get("tickets")
     if tickets is None or tickets.numel() < tiles:
         tickets = kept["tickets"] = torch.zeros((max(tiles, 1024),), dtype=torch.int32, device=device)

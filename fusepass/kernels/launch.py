@@ -22,9 +22,9 @@ from dataclasses import replace
 
 import torch
 import triton
-from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
+from .._compat import cond_op, inductor_config, is_fake, triton_allocator_unset
 from .configs import Config, bucket_choices, cdiv, device_arch, device_properties, select_config, sm_count
 from .direct import launcher, record, record_call, split_scratch
 from .persistent import scaled_mm_persistent_kernel
@@ -44,9 +44,7 @@ def _scratch(size: int, alignment: int, stream):
 def _ensure_allocator() -> None:
     """Give Triton an allocator where none is set (its default raises at launch). A context
     variable, so per thread; Inductor sets its own before each of its launches."""
-    from triton.runtime import _allocation
-
-    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+    if triton_allocator_unset():
         triton.set_allocator(_scratch)
 
 
@@ -128,9 +126,7 @@ def decode_splits(fake: bool, symbolic_m: bool) -> bool:
     graphs (torch 2.13's graph partition)."""
     if not fake or SPLIT_OUTSIDE_GRAPHS.get():
         return True
-    from torch._inductor import config
-
-    return bool(config.triton.cudagraphs) and not symbolic_m
+    return bool(inductor_config().triton.cudagraphs) and not symbolic_m
 
 
 def _per_element(v: torch.Tensor | None) -> bool:
@@ -343,12 +339,10 @@ def pick(pred, if_true, if_false, operands: tuple, symbols: tuple):
     """``if_true(operands, symbols)`` or ``if_false(...)``, as a ``cond`` on the symbolic
     ``pred``. The symbols (GRAPH_SYMBOLS) go in as operands too, so that a branch gets its own
     (``if_false`` may hold another ``cond``)."""
-    from torch._higher_order_ops.cond import cond_op
-
     n = len(operands)
     # Each branch returns a 1-tuple: Inductor's cond lowering zips the node's value with
     # the branch outputs, as torch.cond leaves them (a bare tensor fails its stride check).
-    (out,) = cond_op(
+    (out,) = cond_op()(
         pred,
         lambda *ops: (if_true(ops[:n], ops[n:]),),
         lambda *ops: (if_false(ops[:n], ops[n:]),),

@@ -51,6 +51,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import triton_op
 
+from .._compat import plain_dispatch
 from ..kernels import launch_scaled_mm
 from . import eager, reference
 from .checks import check_int_mm_args, check_out_dtype, check_scaled_mm_args
@@ -143,8 +144,7 @@ def _plain_eager(*tensors) -> bool:
     nothing that needs autograd. The dispatcher's Python custom-op path costs 25-30 us a
     call on the H200's host. Anything else goes through
     ``torch.ops.fusepass.*``, which also raises the autograd error."""
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled() or torch._C._functorch.peek_interpreter_stack()):
+    if torch.compiler.is_compiling() or not plain_dispatch():
         return False
     grad = torch.is_grad_enabled()
     return all(t is None or (type(t) is Tensor and not (grad and t.requires_grad)) for t in tensors)

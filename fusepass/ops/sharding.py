@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import torch
 
+from .._compat import dtensor_spec
+
 aten = torch.ops.aten
 
 
@@ -95,9 +97,9 @@ def _rules(op_name, args: dict):
 
 def _register(op, op_name: str, names: tuple = ()) -> None:
     """``names``: the schema's argument names as fusepass's ops call them (aten: self, mat2)."""
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.distributed.tensor.experimental import register_sharding
 
+    DTensorSpec = dtensor_spec()
     schema_names = [arg.name for arg in op._schema.arguments]
     rename = dict(zip(schema_names, names or schema_names))
 

@@ -24,8 +24,8 @@ import contextlib
 import logging
 
 import torch
-from torch._inductor.choices import InductorChoices
-from torch._inductor.virtualized import V
+
+from .._compat import InductorChoices, V
 
 log = logging.getLogger(__name__)
 

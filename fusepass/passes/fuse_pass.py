@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch.fx as fx
-from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.virtualized import V
 
+from .._compat import CustomGraphPass, V, counters, get_hash_for_files
 from ..kernels.launch import FP8_CUBLAS_ABOVE_M, decode_splits, splitting_outside_graphs
 from .graph import Rejected, aten, location, module_path
 from .group import NAME as GROUPED, group_siblings

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .._compat import detect_fake_mode
 
 aten = torch.ops.aten
 prims = torch.ops.prims

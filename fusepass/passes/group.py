@@ -24,9 +24,9 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._inductor.pattern_matcher import stable_topological_sort
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
+from .._compat import OpOverload, stable_topological_sort
 from ..kernels.group_launch import MAX_MEMBERS, launch_variant
 from .graph import Inserter, tensor_val
 
@@ -37,7 +37,7 @@ NAME = "scaled_mm_group"
 def _pure(node: fx.Node) -> bool:
     """An ATen or prims op without mutation or randomness (a custom op may hide either)."""
     t = node.target
-    return (node.op == "call_function" and isinstance(t, torch._ops.OpOverload)
+    return (node.op == "call_function" and isinstance(t, OpOverload)
             and t.namespace in ("aten", "prims")
             and not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags)
 

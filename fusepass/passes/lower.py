@@ -29,12 +29,10 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch._dispatch.python import enable_python_dispatcher
-from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import free_symbols
 
-from .._compat import memoize_kernel_analysis
+from .._compat import detect_fake_mode, enable_python_dispatcher, inductor_decompositions, memoize_kernel_analysis
 from ..kernels import KERNELS
 from ..kernels.launch import GRAPH_SYMBOLS, INTERPRETED
 from ..ops.scaled_mm import IMPLS
@@ -66,8 +64,6 @@ def _trace(node: fx.Node) -> tuple[fx.GraphModule, list] | None:
     """The trace of ``node``'s implementation on its arguments' fake values, and the
     graph nodes its placeholders stand for: the tensor arguments, then the size symbols
     they hold (see ``GRAPH_SYMBOLS``). None where a symbol has no source in the graph."""
-    from torch._inductor.decomposition import select_decomp_table
-
     impl, args = IMPLS[node.target], schema_args(node)
     # Tensor arguments, list ones (scaled_mm_group's) flattened.
     tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a]) if isinstance(t, fx.Node)]
@@ -88,7 +84,7 @@ def _trace(node: fx.Node) -> tuple[fx.GraphModule, list] | None:
             GRAPH_SYMBOLS.reset(token)
 
     with detect_fake_mode(fakes), enable_python_dispatcher():
-        gm = make_fx(fn, select_decomp_table(), tracing_mode="real")(*fakes, *symints)
+        gm = make_fx(fn, inductor_decompositions(), tracing_mode="real")(*fakes, *symints)
     return gm, tensors + sources
 
 
