@@ -1,0 +1,92 @@
+"""Lowering (fusepass/passes/lower.py): the op calls become their implementation's ops, and
+calls of one signature (a model's layers) share one trace, each with fake values of its own."""
+
+import torch
+from torch._dynamo.utils import counters
+
+from fusepass.backend import capture_backend
+from fusepass.passes import FusePass
+from fusepass.passes import lower as lower_mod
+from tests.passes.data import K, M, N, i8, scale
+
+LAYERS = 3
+w = [i8(N, K, seed=i) for i in range(LAYERS)] + [i8(N + 8, K, seed=9)]
+sw = [scale(1, N, seed=i) for i in range(LAYERS)] + [scale(1, N + 8, seed=9)]
+
+
+def layers(a, sa, n=LAYERS):
+    """``n`` int8 matmuls of one signature, and one of another N."""
+    outs = [(torch._int_mm(a, w[i].t()).float() * sa * sw[i]).to(torch.bfloat16) for i in range(n)]
+    outs.append((torch._int_mm(a, w[-1].t()).float() * sa * sw[-1]).to(torch.bfloat16))
+    return outs
+
+
+def run(fn, *args, dynamic=None):
+    """Compiled with the pass and its lowering; the lowered graph, the traces taken, the outputs."""
+    traced, graphs = [], []
+    trace = lower_mod._trace
+
+    def counted(node):
+        traced.append(node)
+        return trace(node)
+
+    def on_graph(gm):
+        lower_mod._trace = counted
+        try:
+            FusePass()(gm.graph)
+        finally:
+            lower_mod._trace = trace
+        graphs.append(gm.graph)
+
+    torch._dynamo.reset()
+    counters["fusepass"].clear()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=capture_backend(on_graph), dynamic=dynamic, fullgraph=True)(*args)
+    return graphs[0], traced, out
+
+
+def test_one_trace_per_signature():
+    a, sa = i8(M, K, seed=5), scale(M, 1, seed=6)
+    graph, traced, out = run(layers, a, sa)
+    assert len(traced) == 2  # N and N + 8; the 3 layers of N share one
+    assert not [n for n in graph.nodes if "fusepass" in str(n.target)]
+    mms = [n for n in graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert len(mms) == LAYERS + 1  # every call lowered (on CPU to the reference's int32 mm)
+    for got, want in zip(out, layers(a, sa), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_each_site_has_fake_values_of_its_own():
+    """A later pass (Inductor's reinplacing, say) tells buffers apart by their fake storages."""
+    graph, _, _ = run(layers, i8(M, K, seed=5), scale(M, 1, seed=6))
+    vals = [n.meta["val"] for n in graph.nodes if n.target is torch.ops.aten.mm.default]
+    storages = {id(v.untyped_storage()) for v in vals}
+    assert len(storages) == len(vals) and all(v.shape[0] == M for v in vals)
+
+
+def test_symbolic_sizes_are_traced_per_call():
+    a, sa = i8(M, K, seed=5), scale(M, 1, seed=6)
+    torch._dynamo.mark_dynamic(a, 0)
+    torch._dynamo.mark_dynamic(sa, 0)
+    _, traced, out = run(layers, a, sa)
+    assert len(traced) == LAYERS + 1
+    for got, want in zip(out, layers(a, sa), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_signature_tells_layouts_apart():
+    """A transposed or offset operand is another trace (the kernels' layout and alignment
+    checks read strides and storage offsets)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        base = torch.empty(8, 16, dtype=torch.int8)
+        views = [base, base.t().contiguous().t(), base[1:]]
+    keys = []
+    for v in views:
+        x.meta["val"] = v
+        node = graph.call_function(torch.ops.fusepass.int_mm.default, (x, x))
+        keys.append(lower_mod._signature(node, [x, x]))
+    assert len(set(keys)) == 3
