@@ -90,3 +90,43 @@ def test_signature_tells_layouts_apart():
         node = graph.call_function(torch.ops.fusepass.int_mm.default, (x, x))
         keys.append(lower_mod._signature(node, [x, x]))
     assert len(set(keys)) == 3
+
+
+CUDA_SCRIPT = r'''
+import torch, fusepass
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from fusepass.kernels.launch import INTERPRETED
+from fusepass.passes import lower as L
+
+assert not INTERPRETED
+with FakeTensorMode(allow_non_fake_inputs=True):
+    a = torch.empty(1, 4096, dtype=torch.int8, device="cuda")
+    sa, sb = torch.empty(1, 1, device="cuda"), torch.empty(6144, device="cuda")
+    ws = [torch.empty(6144, 4096, dtype=torch.int8, device="cuda") for _ in range(3)]
+
+def f(a, sa, sb, *ws):
+    return [torch.ops.fusepass.scaled_mm(a, w.t(), sa, sb, torch.bfloat16, None) for w in ws]
+
+gm = make_fx(f, tracing_mode="fake")(a, sa, sb, *ws)
+traced, trace = [], L._trace
+L._trace = lambda node: traced.append(node) or trace(node)
+assert L.lower(gm.graph) == 3
+hops = [n for n in gm.graph.nodes if "triton_kernel_wrapper_mutation" in str(n.target)]
+outs = [h.kwargs["kwargs"]["out_ptr"] for h in hops]
+weights = [h.kwargs["kwargs"]["b_ptr"].args[0].name for h in hops]
+print(len(traced), len(hops), len({id(o.meta["val"].untyped_storage()) for o in outs}), weights)
+'''
+
+
+def test_cuda_launches_share_a_trace_with_buffers_of_their_own():
+    """The CUDA form (a Triton launch writing a new buffer), traced on fake CUDA tensors
+    without the interpreter, as Inductor's post-grad pass sees it on a GPU machine."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", CUDA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[-2] == "1 3 3 ['arg3_1', 'arg4_1', 'arg5_1']", done.stdout  # (each its own weight)
