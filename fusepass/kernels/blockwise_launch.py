@@ -26,8 +26,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .blockwise import BLOCK, blockwise_mm_kernel
 from .configs import Config, cdiv, decode_unsplit, fit, merge_buckets, sm_count
 from .direct import launcher, record
-from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, above, cublas_layout, decode_splits,
-                     new_output, on_device, pick, run_cublas, split_k_buffers)
+from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, choices_then, cublas_layout, decode_splits,
+                     new_output, on_device, cond_choice, run_cublas, split_k_buffers)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -155,7 +155,7 @@ def _cublas_or_kernel(fallback: tuple, out_dtype: torch.dtype, *tensors):
         return cublas(tensors, GRAPH_SYMBOLS.get())
     if statically_known_true(M % 4 != 0):
         return kernel(tensors, GRAPH_SYMBOLS.get())
-    return pick(M % 4 == 0, cublas, kernel, tensors, GRAPH_SYMBOLS.get())
+    return cond_choice(M % 4 == 0, cublas, kernel, tensors, GRAPH_SYMBOLS.get())
 
 
 def _run(cfg: Config | CublasChoice, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
@@ -234,7 +234,7 @@ def launch_scaled_mm_blockwise(
         choices = bucket_choices(N, K, a.device, decode_splits(fake, symbolic_m=not is_concrete_int(M)))
         if use_cublas:  # one cuBLAS choice above CUBLAS_ABOVE_M, holding those buckets' configs
             upper = tuple((top, cfg) for top, cfg in choices if top is None or top > CUBLAS_ABOVE_M)
-            choices = above(choices, CUBLAS_ABOVE_M, CublasChoice(upper))
+            choices = choices_then(choices, CUBLAS_ABOVE_M, CublasChoice(upper))
 
         def launch():
             return _by_m(choices, lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors, GRAPH_SYMBOLS.get())

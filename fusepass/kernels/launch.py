@@ -208,7 +208,7 @@ def run_cublas(mm, out_dtype: torch.dtype, *tensors):
     return out
 
 
-def above(choices: list, limit: int, choice) -> list:
+def choices_then(choices: list, limit: int, choice) -> list:
     """``choices`` (``_by_m``'s ``[(top, cfg)]``) for M <= ``limit``, then ``choice`` for every
     larger M (a bucket that straddles ``limit``, where adjacent ones were merged, is cut there)."""
     kept = []
@@ -331,11 +331,11 @@ def _by_m(choices: list, run, operands: tuple, symbols: tuple):
     top, cfg = choices[0]
     if top is None or len(choices) == 1 or statically_known_true(M <= top):
         return run(cfg, *operands)
-    return pick(M <= top, lambda ops, syms: run(cfg, *ops), lambda ops, syms: _by_m(choices[1:], run, ops, syms),
+    return cond_choice(M <= top, lambda ops, syms: run(cfg, *ops), lambda ops, syms: _by_m(choices[1:], run, ops, syms),
                 operands, symbols)
 
 
-def pick(pred, if_true, if_false, operands: tuple, symbols: tuple):
+def cond_choice(pred, if_true, if_false, operands: tuple, symbols: tuple):
     """``if_true(operands, symbols)`` or ``if_false(...)``, as a ``cond`` on the symbolic
     ``pred``. The symbols (GRAPH_SYMBOLS) go in as operands too, so that a branch gets its own
     (``if_false`` may hold another ``cond``)."""
@@ -411,7 +411,7 @@ def launch_scaled_mm(
         split = decode_splits(fake, symbolic_m=not is_concrete_int(M))
         choices = bucket_choices(N, K, a.dtype, a.device, azp_adj is not None, split)
         if cublas:
-            choices = above(choices, FP8_CUBLAS_ABOVE_M, CUBLAS)
+            choices = choices_then(choices, FP8_CUBLAS_ABOVE_M, CUBLAS)
 
         def launch():
             return _by_m(choices, run, tuple(args[i] for i in present), GRAPH_SYMBOLS.get())

@@ -109,9 +109,9 @@ def test_symbolic_m_picks_cublas_at_run_time_above_its_m(cublas_applies, monkeyp
 
 def test_above_cuts_the_bucket_that_straddles_the_limit():
     c1, c2, c3 = Config(16, 32, 64), Config(64, 64, 64), Config(128, 128, 64)
-    assert launch.above([(16, c1), (256, c2), (None, c3)], 64, CUBLAS) == [(16, c1), (64, c2), (None, CUBLAS)]
-    assert launch.above([(16, c1), (64, c2), (None, c3)], 64, CUBLAS) == [(16, c1), (64, c2), (None, CUBLAS)]
-    assert launch.above([(None, c3)], 64, CUBLAS) == [(64, c3), (None, CUBLAS)]
+    assert launch.choices_then([(16, c1), (256, c2), (None, c3)], 64, CUBLAS) == [(16, c1), (64, c2), (None, CUBLAS)]
+    assert launch.choices_then([(16, c1), (64, c2), (None, c3)], 64, CUBLAS) == [(16, c1), (64, c2), (None, CUBLAS)]
+    assert launch.choices_then([(None, c3)], 64, CUBLAS) == [(64, c3), (None, CUBLAS)]
 
 
 # The GPU's cuBLAS where there is one; else torch's CPU _scaled_mm, row-wise from torch 2.12
