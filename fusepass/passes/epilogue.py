@@ -32,6 +32,7 @@ weight's per-block scales).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,23 @@ class Epilogue:
 
     def add_factor(self, arg, axis: Axis) -> None:
         {Axis.ROW: self.rows, Axis.COL: self.cols, Axis.TENSOR: self.scalars}[axis].append(arg)
+
+
+@dataclass(frozen=True)
+class Next:
+    """What the node after the epilogue's current value is to it: a step it takes (``take``
+    folds it in), a step it cannot take (``refused`` says why: the epilogue ends there, fused
+    in part), or neither (no step: the epilogue ends before it, whole)."""
+
+    take: Callable[[], None] | None = None
+    refused: str = ""
+
+    @property
+    def is_step(self) -> bool:
+        return self.take is not None or bool(self.refused)
+
+
+END = Next()
 
 
 def _other(node: fx.Node, cur: fx.Node):
@@ -193,15 +211,19 @@ class _Walker:
     def _leads_to_a_step(self, node: fx.Node) -> bool:
         """Whether the one user of ``node`` is a step this epilogue takes."""
         found = users(node)
-        try:
-            return len(found) == 1 and self.step(node, found[0]) is not None
-        except Rejected:
-            return False
+        return len(found) == 1 and self.step(node, found[0]).take is not None
 
-    def step(self, cur: fx.Node, user: fx.Node):
-        """How ``user`` (the next node after ``cur``) folds into the epilogue: a function
-        that applies it, None where the chain goes on with an op that is no step, or
-        Rejected where it is a step this epilogue cannot take. Changes nothing itself."""
+    def step(self, cur: fx.Node, user: fx.Node) -> Next:
+        """What ``user`` (the next node after ``cur``) is to the epilogue. Changes nothing."""
+        try:
+            take = self._fold(cur, user)
+        except Rejected as e:
+            return Next(refused=str(e))
+        return END if take is None else Next(take=take)
+
+    def _fold(self, cur: fx.Node, user: fx.Node):
+        """``step``'s work: a function that folds ``user`` in, None where it is no step, or
+        Rejected (from here or the helpers) where it is a step this epilogue cannot take."""
         ep = self.ep
         shape = list(tensor_val(cur).shape)
         out = tensor_val(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
@@ -344,10 +366,7 @@ def _noop() -> None:
 
 def _continues(walker: _Walker, cur: fx.Node, user: fx.Node) -> bool:
     """Would ``user`` be a step of the epilogue? (Asked of a value with several users.)"""
-    try:
-        return walker.step(cur, user) is not None
-    except Rejected:
-        return True
+    return walker.step(cur, user).is_step
 
 
 def walk(anchor: fx.Node, ep: Epilogue | None = None, *, allow_azp: bool = False, cancels=None) -> Epilogue:
@@ -372,16 +391,15 @@ def walk(anchor: fx.Node, ep: Epilogue | None = None, *, allow_azp: bool = False
             if lost:
                 ep.stop = f"its value is also used elsewhere, so the step {where(lost[0])} stays outside"
             return ep
-        try:
-            apply = walker.step(cur, found[0])
-        except Rejected as e:
+        after = walker.step(cur, found[0])
+        if after.refused:
             if not ep.chain and not ep.scaled:
-                raise
-            ep.stop = f"{e} ({where(found[0])})"
+                raise Rejected(after.refused)
+            ep.stop = f"{after.refused} ({where(found[0])})"
             return ep
-        if apply is None:
+        if after.take is None:
             return ep
-        apply()
+        after.take()
         cur = found[0]
         ep.arithmetic |= not is_call(cur, aten.clone.default, *VIEW_OPS)
         ep.chain.append(cur)
