@@ -40,7 +40,7 @@ import torch.fx as fx
 
 from .graph import (
     FLOAT_DTYPES, VIEW_OPS, Axis, Rejected, aten, cast_dtype, classify, classify_or_none, describe, is_call, is_number,
-    peel_expand, same, tensor_val, users, where,
+    peel_expand, provably_equal, tensor_val, users, in_user_terms,
 )
 
 # Zero-point terms: integers (the op applies them exactly: in int32, or in int64 where a
@@ -237,10 +237,10 @@ class _Walker:
         if is_call(user, aten.clone.default):
             return None if user.kwargs.get("memory_format") else _noop
         if is_call(user, *VIEW_OPS):
-            if len(out.shape) in (2, 3) and same(out.shape[-1], shape[-1]) and same(out.numel(), tensor_val(cur).numel()):
+            if len(out.shape) in (2, 3) and provably_equal(out.shape[-1], shape[-1]) and provably_equal(out.numel(), tensor_val(cur).numel()):
                 return lambda: setattr(ep, "view", user if len(out.shape) == 3 else None)
             return None
-        if not all(same(a, b) for a, b in zip(out.shape, shape)):
+        if not all(provably_equal(a, b) for a, b in zip(out.shape, shape)):
             return None  # broadcasts the value up: not elementwise on it
         if is_call(user, aten.sub.Tensor) and user.args[0] is cur and user.kwargs.get("alpha", 1) == 1:
             return self.subtract(peel_expand(user.args[1]), shape)
@@ -257,7 +257,7 @@ class _Walker:
                 if ep.scaled:
                     return None  # the dequantization is complete; a different op follows
                 raise
-            if ep.scaled and same(shape[0], 1) and any(axis is Axis.COL and _from_a_product(f) for f, axis in factors):
+            if ep.scaled and provably_equal(shape[0], 1) and any(axis is Axis.COL and _from_a_product(f) for f, axis in factors):
                 # At M = 1 an activation's [1, N] row reads as a column vector: the SiLU'd gate
                 # times up, which would make up depend on gate and keep them from joining. Not a
                 # step, as the same product at M > 1 ([M, N]) is none: the epilogue ends whole.
@@ -339,7 +339,7 @@ class _Walker:
         applied = [(f if is_number(f) else _source(f), axis) for f, axis in self.ep.factors]
         if sorted(map(_key, floats)) != sorted(map(_key, applied)):
             raise Rejected("a zero-point correction after the scaling is scaled differently from the accumulator")
-        if all(same(d, 1) for d in shape[:-1]):  # one row: a per-token zero point is one value
+        if all(provably_equal(d, 1) for d in shape[:-1]):  # one row: a per-token zero point is one value
             ints = [(src, Axis.ROW if axis is Axis.TENSOR else axis) for src, axis in ints]
         axes = {axis: src for src, axis in ints}
         if len(ints) == 2 and set(axes) == {Axis.ROW, Axis.COL}:
@@ -389,13 +389,13 @@ def walk(anchor: fx.Node, ep: Epilogue | None = None, *, allow_azp: bool = False
             # fuses them into their consumers. Arithmetic left outside is a lost step.
             lost = [u for u in steps if cast_dtype(u) is None and not is_call(u, aten.clone.default, *VIEW_OPS)]
             if lost:
-                ep.stop = f"its value is also used elsewhere, so the step {where(lost[0])} stays outside"
+                ep.stop = f"its value is also used elsewhere, so the step {in_user_terms(lost[0])} stays outside"
             return ep
         after = walker.step(cur, found[0])
         if after.refused:
             if not ep.chain and not ep.scaled:
                 raise Rejected(after.refused)
-            ep.stop = f"{after.refused} ({where(found[0])})"
+            ep.stop = f"{after.refused} ({in_user_terms(found[0])})"
             return ep
         if after.take is None:
             return ep

@@ -32,15 +32,16 @@ class Rejected(Exception):
     """A candidate the pass leaves alone; the message says why (shown by ``explain``)."""
 
 
-def val(arg) -> Any:
+def fake_value(arg) -> Any:
     """The fake value of a node (or the argument itself when it is a Python constant)."""
     return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
 
 
 def tensor_val(node) -> torch.Tensor:
-    v = val(node)
+    v = fake_value(node)
     if not isinstance(v, torch.Tensor):
-        raise Rejected(f"an operand {where(node) if isinstance(node, fx.Node) else repr(node)} has no tensor metadata")
+        what = in_user_terms(node) if isinstance(node, fx.Node) else repr(node)
+        raise Rejected(f"an operand {what} has no tensor metadata")
     return v
 
 
@@ -77,7 +78,7 @@ def module_path(node: fx.Node) -> str:
     return path.strip(".") or getattr(cls, "__name__", str(cls))
 
 
-def where(node: fx.Node) -> str:
+def in_user_terms(node: fx.Node) -> str:
     """A node in user terms: its module path and source line, never its FX name."""
     mod, loc = module_path(node), location(node)
     text = " in ".join(p for p in (f"at {loc}" if loc else "", f"module {mod}" if mod else "") if p)
@@ -86,13 +87,14 @@ def where(node: fx.Node) -> str:
 
 def describe(arg) -> str:
     """An operand in user terms: its dtype and shape (FX names mean nothing to a user)."""
-    v = val(arg)
+    v = fake_value(arg)
     if isinstance(v, torch.Tensor):
         return f"a {str(v.dtype).replace('torch.', '')}{list(v.shape)} tensor"
     return f"the number {v}"
 
 
-def same(a, b) -> bool:
+def provably_equal(a, b) -> bool:
+    """Whether two sizes (ints or SymInts) are equal whatever their symbols' values."""
     return statically_known_true(a == b)
 
 
@@ -144,7 +146,7 @@ def is_number(arg) -> bool:
     """A Python number, a node holding one (SymFloat / SymInt), or a 0-d CPU tensor, which
     eager broadcasting treats as a number on any device (torch 2.11 passes a Python float
     scale that way under ``dynamic=True``)."""
-    v = val(arg)
+    v = fake_value(arg)
     if isinstance(v, torch.Tensor):
         return v.dim() == 0 and v.device.type == "cpu"
     return isinstance(v, (int, float, torch.SymInt, torch.SymFloat)) and not isinstance(v, bool)
@@ -165,9 +167,9 @@ def classify(arg, out_shape) -> Axis:
         return Axis.TENSOR
     shape = [1] * (len(out_shape) - v.dim()) + list(v.shape)
     lead, last = shape[:-1], shape[-1]
-    if same(last, out_shape[-1]) and all(same(d, 1) for d in lead):
+    if provably_equal(last, out_shape[-1]) and all(provably_equal(d, 1) for d in lead):
         return Axis.COL
-    if same(last, 1) and all(same(d, o) for d, o in zip(lead, out_shape[:-1])):
+    if provably_equal(last, 1) and all(provably_equal(d, o) for d, o in zip(lead, out_shape[:-1])):
         return Axis.ROW
     raise Rejected(
         f"{describe(arg)} is not per-tensor, per-token or per-channel for an output of shape {list(out_shape)}"
@@ -229,7 +231,7 @@ class Inserter:
         becomes an fp32 device tensor either way)."""
         if not isinstance(arg, fx.Node):
             return arg
-        v = val(arg)
+        v = fake_value(arg)
         if isinstance(v, torch.Tensor) and v.device != device:
             # A 0-d CPU scalar: broadcast it into a device tensor, as the user's own multiply
             # did (Inductor passes it to the kernel as a value: no copy, no device sync).

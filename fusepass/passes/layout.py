@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .graph import FLOAT_DTYPES, VIEW_OPS, aten, cast_dtype, is_call, same, tensor_val
+from .graph import FLOAT_DTYPES, VIEW_OPS, aten, cast_dtype, is_call, provably_equal, tensor_val
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Dim:
 
     @property
     def full(self) -> bool:
-        return same(self.size, math.prod(a.size for a in self.atoms))
+        return provably_equal(self.size, math.prod(a.size for a in self.atoms))
 
 
 def _one(n) -> bool:
@@ -59,7 +59,7 @@ def _expand(lay: list, sizes) -> list | None:
         return None
     out = [Dim(_atoms(Atom(None, n)), n) for n in sizes[:lead]]
     for dim, n in zip(lay, sizes[lead:]):
-        if same(n, dim.size):
+        if provably_equal(n, dim.size):
             out.append(dim)
         elif _one(dim.size):
             out.append(Dim(_atoms(Atom(None, n)), n))
@@ -77,7 +77,7 @@ def _groups(old: list, new: list) -> list | None:
     while i < len(o) and j < len(w):
         gi, gj, pi, pj = [o[i]], [w[j]], old[o[i]], new[w[j]]
         i, j = i + 1, j + 1
-        while not same(pi, pj):  # grow the side whose product divides the other's
+        while not provably_equal(pi, pj):  # grow the side whose product divides the other's
             if statically_known_true(pi % pj == 0) and j < len(w):
                 gj.append(w[j])
                 pj, j = pj * new[w[j]], j + 1
@@ -95,7 +95,7 @@ def _split(atoms: list, sizes: list) -> list | None:
     atoms, out = list(atoms), []
     for n in sizes:
         taken, p = [], 1
-        while not same(p, n):
+        while not provably_equal(p, n):
             if not atoms:
                 return None
             a = atoms.pop(0)

@@ -48,7 +48,7 @@ from .. import layout
 from ..epilogue import Epilogue, walk
 from ..graph import (
     FLOAT_DTYPES, QUANT_DTYPES, VIEW_OPS, Axis, Inserter, Rejected, aten, cast_dtype, classify, classify_or_none,
-    describe, is_call, same, tensor_val, users,
+    describe, is_call, provably_equal, tensor_val, users,
 )
 from ..rewrite import Candidate, check_operands
 
@@ -116,9 +116,9 @@ def _scaled_mm_args(node) -> dict | None:
     kb, nb = blocks(K), blocks(N)
     if node.target is aten._scaled_mm.default:  # the recipe is read off the scales' shapes
         sa, sb = tensor_val(args["scale_a"]), tensor_val(args["scale_b"])
-        shapes = sa.dim() == 2 and sb.dim() == 2 and all(map(same, (*sa.shape, *sb.shape), (M, kb, kb, nb)))
+        shapes = sa.dim() == 2 and sb.dim() == 2 and all(map(provably_equal, (*sa.shape, *sb.shape), (M, kb, kb, nb)))
         # A single block is per-token x per-tensor scaling: the scaled_mm pattern's.
-        if not shapes or (same(kb, 1) and same(nb, 1)):
+        if not shapes or (provably_equal(kb, 1) and provably_equal(nb, 1)):
             return None
         args["scale_b_rows"] = None
         return args
@@ -132,7 +132,7 @@ def _scaled_mm_args(node) -> dict | None:
         args[f"scale_{side}"] = args[f"scale_{side}"][0]
     if list(args.get("contraction_dim") or []):
         raise Rejected("F.scaled_mm with explicit contraction dims")
-    if same(tensor_val(args["scale_b"]).shape[0], kb):
+    if provably_equal(tensor_val(args["scale_b"]).shape[0], kb):
         args["scale_b_rows"] = None
     elif is_concrete_int(kb):  # cuBLAS pads scale_b's K blocks to a multiple of 4
         args["scale_b_rows"] = int(kb)
@@ -202,7 +202,7 @@ def _quantized(x):
 
 
 def _same_shape(x, y) -> bool:
-    return len(x) == len(y) and all(map(same, x, y))
+    return len(x) == len(y) and all(map(provably_equal, x, y))
 
 
 def _operand(X) -> _Operand | None:
@@ -246,7 +246,7 @@ def _kind(dim: layout.Dim) -> tuple:
     if all(a.src is None for a in atoms):
         return ("const",)
     if len(atoms) == 2 and atoms[0].src is not None and atoms[1].src is None:
-        if same(atoms[1].size, BLOCK) and same(atoms[0].size, blocks(dim.size)):
+        if provably_equal(atoms[1].size, BLOCK) and provably_equal(atoms[0].size, blocks(dim.size)):
             return ("block", atoms[0].src)
         return ("groups", f"is in {atoms[0].size} groups of {atoms[1].size}")
     if all(a.src is not None for a in atoms) and dim.full:
@@ -263,7 +263,7 @@ def _arrange(src: fx.Node, dims: tuple, shape: list) -> Callable:
     ``dims[i]`` in order (() where the scale is constant along it: expanded). Every source dim
     of size > 1 must appear once (else Rejected: a sliced or re-used scale)."""
     sizes = list(tensor_val(src).shape)
-    keep = [d for d, n in enumerate(sizes) if not same(n, 1)]
+    keep = [d for d, n in enumerate(sizes) if not provably_equal(n, 1)]
     used = [d for group in dims for d in group]
     if sorted(used) != keep:
         raise Rejected(f"the scale {describe(src)} is not read whole, once per block")
@@ -277,7 +277,7 @@ def _arrange(src: fx.Node, dims: tuple, shape: list) -> Callable:
             t = ins.call(aten.permute.default, t, order)
         merged = [-1 if n == -1 and group else math.prod(sizes[d] for d in group) for n, group in zip(shape, dims)]
         have = tensor_val(t).shape
-        if len(have) != len(merged) or not all(m == -1 or same(h, m) for h, m in zip(have, merged)):
+        if len(have) != len(merged) or not all(m == -1 or provably_equal(h, m) for h, m in zip(have, merged)):
             t = ins.call(aten.reshape.default, t, merged)
         if any(not group and n != -1 and n != 1 for n, group in zip(shape, dims)):
             t = ins.call(aten.expand.default, t, shape)
@@ -290,7 +290,7 @@ def _scale_a(act: _Operand, M, kb) -> Callable:
     if k[0] not in ("block", "const"):
         raise Rejected(f"the activation scale ({describe(act.scale)}) {_say(k)}"
                        " along K; block-wise activation scales are per 128-wide group of K (1x128)")
-    if rows[0] != "each" and not same(M, 1):
+    if rows[0] != "each" and not provably_equal(M, 1):
         raise Rejected(f"the activation scale ({describe(act.scale)}) is shared by several rows; block-wise activation "
                        "scales are per row and 128-wide group of K (1x128)")
     row_dims = rows[1] if rows[0] == "each" else ()
