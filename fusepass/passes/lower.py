@@ -68,8 +68,10 @@ def _tensors(args: list) -> list[fx.Node]:
 
 def _signature(node: fx.Node, args: list):
     """What ``node``'s trace depends on, hashable: the op, each tensor's size, strides, storage
-    offset (alignment), dtype and device, every other argument's value. None where a size is
-    symbolic (a trace that holds size symbols, or a ``cond``, is not reused)."""
+    offset (alignment), dtype and device, every other argument's value, and which tensor
+    arguments are one node (``make_fx`` given one value twice reads it from one placeholder:
+    ``op(x, s, s)``'s trace must not serve ``op(x, s, t)``). None where a size is symbolic (a
+    trace that holds size symbols, or a ``cond``, is not reused)."""
     def describe(a):
         if isinstance(a, (list, tuple)):
             return tuple(map(describe, a))
@@ -81,8 +83,9 @@ def _signature(node: fx.Node, args: list):
             return ("tensor", sizes, t.dtype, t.device)
         hash(a)
         return ("value", a)
+    tensors = _tensors(args)
     try:
-        return (node.target, tuple(map(describe, args)))
+        return (node.target, tuple(map(describe, args)), tuple(map(tensors.index, tensors)))
     except TypeError:
         return None
 
@@ -116,12 +119,21 @@ def _trace(node: fx.Node) -> tuple[fx.GraphModule, list] | None:
 
 def _refresh(copied: list[fx.Node]) -> None:
     """New fake values for the copies of a reused trace, computed from their inputs' (each
-    site's own outputs: a later pass tells buffers apart by their fake storages)."""
-    with detect_fake_mode([n.meta.get("val") for n in copied]):
-        for n in copied:
-            if n.op == "call_function" and isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)):
-                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
-                n.meta["val"] = n.target(*args, **kwargs)
+    site's own outputs: a later pass tells buffers apart by their fake storages). Values that
+    hold no tensor (a launch's None) stay as they are."""
+    def holds_tensor(v) -> bool:
+        if isinstance(v, (list, tuple, dict)):
+            return any(map(holds_tensor, v.values() if isinstance(v, dict) else v))
+        return isinstance(v, torch.Tensor)
+
+    changing = [n for n in copied if n.op == "call_function" and holds_tensor(n.meta.get("val"))]
+    mode = detect_fake_mode([n.meta["val"] for n in changing])
+    if mode is None:
+        return
+    with mode:
+        for n in changing:
+            args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+            n.meta["val"] = n.target(*args, **kwargs)
 
 
 def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list, reused: bool = False) -> None:

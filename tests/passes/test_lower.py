@@ -130,3 +130,20 @@ def test_cuda_launches_share_a_trace_with_buffers_of_their_own():
     done = subprocess.run([sys.executable, "-c", CUDA_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[-2] == "1 3 3 ['arg3_1', 'arg4_1', 'arg5_1']", done.stdout  # (each its own weight)
+
+
+def test_a_value_passed_twice_is_another_signature():
+    """``make_fx`` reads a value given twice from one placeholder: the trace of
+    ``scaled_mm(a, b, s, s)`` must not serve a later ``scaled_mm(a, b, s, t)``."""
+    a, w0, w1 = i8(M, K, seed=5), i8(N, K, seed=1), i8(N, K, seed=4)
+    s, t = scale(seed=2).reshape(()), scale(seed=3).reshape(()) * 1.5  # 0-d: the op takes them as they are
+
+    def f(a, w0, w1, s, t):
+        first = torch._int_mm(a, w0.t()).float() * s * s
+        second = torch._int_mm(a, w1.t()).float() * s * t
+        return first, second
+
+    _, traced, out = run(f, a, w0, w1, s, t)
+    assert len(traced) == 2
+    for got, want in zip(out, f(a, w0, w1, s, t), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
