@@ -5,7 +5,8 @@ normal form the ops compute::
 
     out = prod(rows) * prod(cols) * prod(scalars) * (acc - azp * azp_adj) + bias
 
-Steps it takes: casts between float dtypes (and integer -> float), ``clone``, views that
+Steps it takes: casts between float dtypes (and integer -> float; a cast to a wider float
+only where a step follows it or the graph returns it, see ``_rewidens``), ``clone``, views that
 keep the last dim (2-D <-> 3-D around the matmul), ``mul`` by a per-tensor / per-token /
 per-channel multiplier (any order, any number), one zero-point ``sub`` (int8 only), and
 one bias ``add`` of an [N] vector after the scaling. The zero-point term is either
@@ -209,9 +210,14 @@ class _Walker:
             raise
 
     def _leads_to_a_step(self, node: fx.Node) -> bool:
-        """Whether the one user of ``node`` is a step this epilogue takes."""
+        """Whether a step follows ``node``, through views and clones (which any chain may
+        hold): one the epilogue takes, or one it refuses (the walk then says why it ended)."""
         found = users(node)
-        return len(found) == 1 and self.step(node, found[0]).take is not None
+        while len(found) == 1 and is_call(found[0], aten.clone.default, *VIEW_OPS):
+            if not self.step(node, found[0]).take:
+                return False
+            node, found = found[0], users(found[0])
+        return len(found) == 1 and self.step(node, found[0]).is_step
 
     def step(self, cur: fx.Node, user: fx.Node) -> Next:
         """What ``user`` (the next node after ``cur``) is to the epilogue. Changes nothing."""

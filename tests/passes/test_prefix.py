@@ -92,6 +92,28 @@ return [mul_1, amax]""")
         self.assertTrue(d.fused and not d.partial, d)
         self.assertIn("f32[24, 40] = fusepass.scaled_mm(a, b, reshape_default, reshape_default_1, f32, None)", r.after)
 
+    def test_upcast_through_a_view_for_an_activation_stays_in_the_graph(self):
+        def f(a, b, sa, sb):
+            y = (torch._int_mm(a, b).float() * sa * sb).to(torch.bfloat16)
+            return F.silu(y.float().reshape(2, M // 2, N))
+
+        r = run_pass(f, a, w.t(), sa, sb)
+        self.assertIn("bf16[24, 40] = fusepass.scaled_mm(", r.after)
+        torch.testing.assert_close(r.out, f(a, w.t(), sa, sb), rtol=1e-5, atol=1e-5)
+
+    def test_a_refused_step_after_an_upcast_is_explained(self):
+        """The upcast joins the chain, and the walk says why it ended at the second bias."""
+
+        def f(a, b, sa, sb, bias):
+            return (torch._int_mm(a, b).float() * sa * sb + bias).to(torch.bfloat16).float() + bias
+
+        r = run_pass(f, a, w.t(), sa, sb, bs)
+        (d,) = r.decisions
+        self.assertTrue(d.fused and d.partial, d)
+        self.assertIn("a second [N] vector is added", d.reason)
+        self.assertIn("f32[24, 40] = fusepass.scaled_mm(", r.after)  # (without the bf16 rounding)
+        torch.testing.assert_close(r.out, f(a, w.t(), sa, sb, bs), rtol=1e-2, atol=1e-2)
+
     def test_upcast_the_graph_returns_joins_the_epilogue(self):
         """Left in the graph it would be a kernel of its own: the op writes fp32 directly."""
 
