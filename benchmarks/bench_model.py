@@ -16,7 +16,8 @@ tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64 against a
 
 Per cell (variant, mode, step), with ``dynamic=False``; the variants of one (mode, step) are
 compiled and warmed one after another, then timed in alternating rounds (``ROUNDS``), so a
-drift of the machine's speed, which runs of these machines show, falls on them alike:
+drift of the machine's speed, which runs of these machines show, falls on them alike (where
+their decode caches fit in memory together; else one variant after another):
 - ``compile_s``: the first call (compile and run), wall time (``--profile-compile DIR``: under
   cProfile, its stats in DIR);
 - ``step_ms``: the median of ``--calls`` calls after 5, CUDA events around each call (host time
@@ -218,8 +219,11 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
     of its steps' profiles), each or None."""
     torch._dynamo.reset()
     graphs = mode == "graphs"
-    started = [_start(model, v, mode, step, ids, cache_len, profiles.get(v, (None, None))[0])
-               for v, model in built.items()]
+    # The variants share forward's code object: one compile each, past Dynamo's default limit
+    # of 8 (at which a further variant would run eagerly, with a warning only).
+    with torch._dynamo.config.patch(recompile_limit=max(8, len(built) + 1)):
+        started = [_start(model, v, mode, step, ids, cache_len, profiles.get(v, (None, None))[0])
+                   for v, model in built.items()]
     times: list[list[float]] = [[] for _ in started]
     with torch.no_grad():
         for r in range(ROUNDS):
@@ -247,6 +251,18 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
             row.update(kernel_ms=round(kernel_ms, 3), kernels=round(kernels, 1),
                        gap_ms=round(row["step_ms"] - kernel_ms, 3))
     return [row for row, _ in started]
+
+
+def _fit_together(built: dict, step: str, cache_len: int) -> bool:
+    """Whether every variant's decode cache fits in half the GPU's free memory at once (else
+    they are timed one after another: 6 variants at batch 64 hold 6 x 8.6 GB of Llama-3-8B
+    cache beside their weights)."""
+    if step == "prefill" or not torch.cuda.is_available():
+        return True
+    c = next(iter(built.values())).config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    cache = 2 * c.num_hidden_layers * int(step[1:]) * c.num_key_value_heads * cache_len * head_dim * 2  # K, V; bf16
+    return len(built) * cache <= torch.cuda.mem_get_info()[0] / 2
 
 
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
@@ -286,8 +302,9 @@ def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls,
                 names = {v: f"{sizes.layers}-{v}-{mode}-{step}" for v in variants}
                 profiles = {v: (profile_dir and os.path.join(profile_dir, name + ".prof"),
                                 steps_dir and os.path.join(steps_dir, name)) for v, name in names.items()}
+                groups = [built] if _fit_together(built, step, cache_len) else [{v: m} for v, m in built.items()]
                 group = [{**meta, "layers": sizes.layers, **row}
-                         for row in cells(built, mode, step, ids, cache_len, calls, profiles)]
+                         for subset in groups for row in cells(subset, mode, step, ids, cache_len, calls, profiles)]
                 for row in group:
                     log(f"[{sizes.layers} layers] {row['variant']} {mode} {step}: {_line(row)}")
                 if out:

@@ -98,3 +98,39 @@ def test_plot_takes_each_cells_last_run(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, xs, heights, *a, **k: drawn.append(list(heights)))
     bench.plot(rows, str(tmp_path / "p.png"))
     assert drawn == [[1.25]] and (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_more_variants_than_dynamos_recompile_limit_all_compile(monkeypatch):
+    """The variants share forward's code: each must still compile (Dynamo runs a frame past
+    its recompile limit eagerly, with only a warning)."""
+    import dataclasses
+
+    import torch
+
+    compiled = []
+
+    def backend(gm, example_inputs):
+        compiled.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(bench, "_timed", lambda call, graphs: call() and 1.0)
+    monkeypatch.setattr(bench, "_compiled", lambda model, variant, mode: torch.compile(model, backend=backend,
+                                                                                      dynamic=False))
+    # (each its own vocabulary size: a model of the same sizes would reuse the first graph)
+    built = {f"v{i}": models.random_llama(dataclasses.replace(SMALL, vocab_size=256 + 8 * i), 32,
+                                          torch.device("cpu"), i) for i in range(9)}
+    rows = bench.cells(built, "default", "b1", models.prompt(built["v0"], 1, 8, 0), 32, 4, {})
+    assert len(rows) == 9 and not [r for r in rows if "error" in r]
+    assert len(compiled) >= 9
+
+
+def test_caches_too_big_together_are_timed_one_variant_after_another(monkeypatch):
+    import torch
+
+    model = models.random_llama(SMALL, 32, torch.device("cpu"), 0)  # 1 layer, 2 KV heads of 32
+    one = 2 * 1 * 64 * 2 * 1024 * 32 * 2  # a variant's cache: K and V, batch 64, 1024 slots, bf16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (4 * one, 8 * one))
+    assert bench._fit_together({"a": model, "b": model}, "b64", 1024)
+    assert not bench._fit_together({"a": model, "b": model, "c": model}, "b64", 1024)
+    assert bench._fit_together({"a": model, "b": model, "c": model}, "prefill", 1024)
