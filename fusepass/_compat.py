@@ -16,7 +16,7 @@ wherever they cover the need (``torch.compiler``, ``torch.library``,
 - Triton's allocator slot (``triton_allocator_unset``);
 - ``memoize_kernel_analysis`` (below);
 - Dynamo's ``counters`` (the pass's counts, as Inductor's own passes keep theirs), backend
-  registration, and DTensor's spec class (the sharding rules' arguments).
+  registration, an op's ``schema``, and DTensor's spec class (the sharding rules' arguments).
 
 ``memoize_kernel_analysis``: Inductor reads which arguments a user-defined Triton kernel
 writes by compiling the kernel to Triton IR and walking it
@@ -59,7 +59,11 @@ TESTED = {"torch": ((2, 11), (2, 13)), "triton": ((3, 6), (3, 9))}
 
 
 def _version(text: str) -> tuple:
-    return tuple(int(part) for part in text.split("+")[0].split(".")[:2])
+    """(major, minor) of a version string ("2.11.0+cu130", "3.6rc1")."""
+    import re
+
+    found = re.match(r"(\d+)\.(\d+)", text)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
 
 
 def untested_versions() -> list[str]:
@@ -149,6 +153,11 @@ def dtensor_spec():
     return DTensorSpec
 
 
+def schema(op):
+    """An operator overload's schema (its arguments' names, mutability)."""
+    return op._schema
+
+
 def register_backend(fn, name: str) -> None:
     """Register a ``torch.compile`` backend by name, unless one of that name exists."""
     if name not in torch.compiler.list_backends(exclude_tags=()):
@@ -182,7 +191,7 @@ def _memoized(analyse, kernels: frozenset):
         keys = tuple((name, _arg_key(v)) for name, v in sorted(kwargs.items()))
         if fn not in kernels or tma_descriptor_metadata or any(k is None for _, k in keys):
             return analyse(kernel, kwargs, tma_descriptor_metadata)
-        key = (fn, keys)
+        key = (kernel, keys)  # (an Autotuner adds its first config's values: its own entry)
         if key not in cache:
             cache[key] = analyse(kernel, kwargs, tma_descriptor_metadata)
         found = cache[key]
@@ -209,7 +218,7 @@ def memoize_kernel_analysis(kernels) -> bool:
         known = getattr(analyse, "fusepass_kernels", None)
         if known is not None and kernels <= known:
             return True
-        original = getattr(analyse, "__wrapped__", analyse)
+        original = analyse.__wrapped__ if known is not None else analyse
         setattr(wrap, name, _memoized(original, kernels | (known or frozenset())))
         return True
     log.debug("torch %s has none of %s: Inductor analyses every fused GEMM call site", torch.__version__, _ANALYSES)

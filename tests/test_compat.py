@@ -93,6 +93,8 @@ def _private_uses(path) -> list[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Attribute) and node.attr == "_schema":  # (of an op, whatever its name)
+            names = ["torch._schema"]
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             names = [f"{node.value.id}.{node.attr}"]
         for name in names:
@@ -130,3 +132,37 @@ def test_untested_versions_are_named(monkeypatch, caplog, torch_version, triton_
     assert bool(caplog.records) == bool(untested)
     if untested:
         assert "tested on torch 2.11-2.13 and Triton 3.6-3.9" in caplog.text and untested[0] in caplog.text
+
+
+def test_an_autotuners_analysis_is_its_own():
+    """An Autotuner over a kernel adds its first config's values to the IR: not the plain
+    kernel's entry."""
+    class Autotuner:
+        fn = scaled_mm_kernel
+
+    inner = Counting()
+    memo = _compat._memoized(inner, frozenset(KERNELS))
+    memo(scaled_mm_kernel, _args(), {})
+    memo(Autotuner(), _args(), {})
+    assert len(inner.calls) == 2
+
+
+def test_someone_elses_wrapper_is_kept(monkeypatch):
+    import functools
+
+    name = next(n for n in _compat._ANALYSES if hasattr(wrap, n))
+    base = getattr(wrap, name)
+    base = getattr(base, "__wrapped__", base) if hasattr(base, "fusepass_kernels") else base
+
+    @functools.wraps(base)
+    def theirs(*args):
+        return base(*args)
+
+    monkeypatch.setattr(wrap, name, theirs)
+    assert _compat.memoize_kernel_analysis(KERNELS)
+    assert getattr(wrap, name).__wrapped__ is theirs
+
+
+@pytest.mark.parametrize("text, version", [("2.11.0+cu130", (2, 11)), ("3.6rc1", (3, 6)), ("nightly", (0, 0))])
+def test_version_strings(text, version):
+    assert _compat._version(text) == version

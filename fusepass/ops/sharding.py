@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from .._compat import dtensor_spec
+from .._compat import dtensor_spec, schema
 
 aten = torch.ops.aten
 
@@ -100,7 +100,7 @@ def _register(op, op_name: str, names: tuple = ()) -> None:
     from torch.distributed.tensor.experimental import register_sharding
 
     DTensorSpec = dtensor_spec()
-    schema_names = [arg.name for arg in op._schema.arguments]
+    schema_names = [arg.name for arg in schema(op).arguments]
     rename = dict(zip(schema_names, names or schema_names))
 
     def rule(*args, **kwargs):

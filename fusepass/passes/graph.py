@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .._compat import detect_fake_mode
+from .._compat import detect_fake_mode, schema as op_schema
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -47,7 +47,7 @@ def tensor_val(node) -> torch.Tensor:
 
 def schema_args(node: fx.Node) -> list:
     """An op call's arguments in schema order, defaults filled in."""
-    schema = node.target._schema
+    schema = op_schema(node.target)
     given = list(node.args)
     return given + [node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(given):]]
 

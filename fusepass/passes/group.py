@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from .._compat import OpOverload, stable_topological_sort
+from .._compat import OpOverload, schema, stable_topological_sort
 from ..kernels.group_launch import MAX_MEMBERS, launch_variant
 from .graph import Inserter, tensor_val
 
@@ -39,7 +39,7 @@ def _pure(node: fx.Node) -> bool:
     t = node.target
     return (node.op == "call_function" and isinstance(t, OpOverload)
             and t.namespace in ("aten", "prims")
-            and not t._schema.is_mutable and torch.Tag.nondeterministic_seeded not in t.tags)
+            and not schema(t).is_mutable and torch.Tag.nondeterministic_seeded not in t.tags)
 
 
 def _frozen(arg, ids: dict):
