@@ -148,7 +148,8 @@ def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> t
             by_name[e.name] = (us + e.device_time / calls, n + 1 / calls)
         with open(table, "w") as f:
             f.write("us/call  launches/call  kernel\n")
-            f.writelines(f"{us:8.1f}  {n:6.1f}  {name}\n" for name, (us, n) in sorted(by_name.items(), key=lambda i: -i[1][0]))
+            slowest = sorted(by_name.items(), key=lambda item: -item[1][0])
+            f.writelines(f"{us:8.1f}  {n:6.1f}  {name}\n" for name, (us, n) in slowest)
     return sum(e.device_time for e in kernels) / 1e3 / calls, len(kernels) / calls
 
 

@@ -78,7 +78,7 @@ def untested_versions() -> list[str]:
 def warn_untested() -> None:
     untested = untested_versions()
     if untested:
-            log.warning("fusepass is tested on torch %s-%s and Triton %s-%s; this is %s: it uses private "
+        log.warning("fusepass is tested on torch %s-%s and Triton %s-%s; this is %s: it uses private "
                     "internals of both (fusepass/_compat.py), which may have changed",
                     *(".".join(map(str, v)) for v in (*TESTED["torch"], *TESTED["triton"])), " and ".join(untested))
 

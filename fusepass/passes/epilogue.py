@@ -243,7 +243,8 @@ class _Walker:
         if is_call(user, aten.clone.default):
             return None if user.kwargs.get("memory_format") else _noop
         if is_call(user, *VIEW_OPS):
-            if len(out.shape) in (2, 3) and provably_equal(out.shape[-1], shape[-1]) and provably_equal(out.numel(), tensor_val(cur).numel()):
+            if (len(out.shape) in (2, 3) and provably_equal(out.shape[-1], shape[-1])
+                    and provably_equal(out.numel(), tensor_val(cur).numel())):
                 return lambda: setattr(ep, "view", user if len(out.shape) == 3 else None)
             return None
         if not all(provably_equal(a, b) for a, b in zip(out.shape, shape)):
@@ -263,7 +264,8 @@ class _Walker:
                 if ep.scaled:
                     return None  # the dequantization is complete; a different op follows
                 raise
-            if ep.scaled and provably_equal(shape[0], 1) and any(axis is Axis.COL and _from_a_product(f) for f, axis in factors):
+            if ep.scaled and provably_equal(shape[0], 1) and any(
+                    axis is Axis.COL and _from_a_product(f) for f, axis in factors):
                 # At M = 1 an activation's [1, N] row reads as a column vector: the SiLU'd gate
                 # times up, which would make up depend on gate and keep them from joining. Not a
                 # step, as the same product at M > 1 ([M, N]) is none: the epilogue ends whole.

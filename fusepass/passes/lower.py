@@ -69,7 +69,7 @@ def _tensors(args: list) -> list[fx.Node]:
 def _signature(node: fx.Node, args: list):
     """What ``node``'s trace depends on, hashable: the op, each tensor's size, strides, storage
     offset (alignment), dtype and device, every other argument's value, and which tensor
-    arguments are one node (``make_fx`` given one value twice reads it from one placeholder:
+    arguments are one value (``make_fx`` given one value twice reads it from one placeholder:
     ``op(x, s, s)``'s trace must not serve ``op(x, s, t)``). None where a size is symbolic (a
     trace that holds size symbols, or a ``cond``, is not reused)."""
     def describe(a):
@@ -83,9 +83,9 @@ def _signature(node: fx.Node, args: list):
             return ("tensor", sizes, t.dtype, t.device)
         hash(a)
         return ("value", a)
-    tensors = _tensors(args)
+    values = [id(t.meta["val"]) for t in _tensors(args)]
     try:
-        return (node.target, tuple(map(describe, args)), tuple(map(tensors.index, tensors)))
+        return (node.target, tuple(map(describe, args)), tuple(map(values.index, values)))
     except TypeError:
         return None
 
