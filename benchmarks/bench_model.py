@@ -218,7 +218,7 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
     warmed in turn, then all timed in ROUNDS alternating rounds (``calls`` each in all; the
     median), then profiled. ``profiles``: variant -> (cProfile path of its compile, path prefix
     of its steps' profiles), each or None."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     graphs = mode == "graphs"
     # The variants share forward's code object: one compile each, past Dynamo's default limit
     # of 8 (at which a further variant would run eagerly, with a warning only).
