@@ -128,6 +128,16 @@ def _timed(call, graphs: bool) -> float:
     return start.elapsed_time(end)
 
 
+def _steps(call, graphs: bool, calls: int) -> None:
+    """``calls`` calls back to back (a CUDA-graph step each), then wait for the GPU."""
+    for _ in range(calls):
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        call()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> tuple[float, float]:
     """(GPU kernel ms, kernels) per call, over ``calls`` calls; ``table``: a path to write the
     kernels' time and launches per call there, by kernel name, slowest first."""
@@ -135,11 +145,7 @@ def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> t
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            call()
-        torch.cuda.synchronize()
+        _steps(call, graphs, calls)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if table:
         by_name: dict = {}
@@ -161,12 +167,7 @@ def _host_profiled(call, graphs: bool, calls: int, path: str) -> None:
     import pstats
 
     with cProfile.Profile() as prof:
-        for _ in range(calls):
-            if graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            call()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        _steps(call, graphs, calls)
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
     with open(path, "w") as f:
@@ -261,8 +262,8 @@ def _fit_together(built: dict, step: str, cache_len: int) -> bool:
     if step == "prefill" or not torch.cuda.is_available():
         return True
     c = next(iter(built.values())).config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    cache = 2 * c.num_hidden_layers * int(step[1:]) * c.num_key_value_heads * cache_len * head_dim * 2  # K, V; bf16
+    # K and V of every layer, bf16
+    cache = 2 * c.num_hidden_layers * int(step[1:]) * c.num_key_value_heads * cache_len * models.head_dim(c) * 2
     return len(built) * cache <= torch.cuda.mem_get_info()[0] / 2
 
 

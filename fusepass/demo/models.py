@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -108,6 +109,7 @@ def checkpoint(name: str) -> str:
     return name
 
 
+@functools.cache  # (the demo asks while it builds and again while it times)
 def prequantized(name: str) -> str | None:
     """The quantization method of a checkpoint (a local directory or a hub id) that is already
     W8A8 (its config's ``quantization_config``: "compressed-tensors"), else None."""
@@ -237,14 +239,18 @@ def prefill_inputs(ids: torch.Tensor) -> dict:
     return dict(input_ids=ids, use_cache=False, logits_to_keep=1)
 
 
+def head_dim(config) -> int:
+    """The attention head size of a transformers config."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def static_cache(model: nn.Module, batch: int, max_len: int):
     """A transformers StaticCache, allocated now (not inside a compiled region)."""
     from transformers import StaticCache
 
     c = model.config
     cache = StaticCache(config=c, max_cache_len=max_len)
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    cache.early_initialization(batch_size=batch, num_heads=c.num_key_value_heads, head_dim=head_dim,
+    cache.early_initialization(batch_size=batch, num_heads=c.num_key_value_heads, head_dim=head_dim(c),
                                dtype=torch.bfloat16, device=model.device)
     return cache
 

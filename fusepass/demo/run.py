@@ -175,7 +175,8 @@ def _speed(o: Options, model, qmodel, fmodel, ids) -> None:
     """The speed table (and its plot): bf16, stock torch.compile and fusepass."""
     from .timing import format_table, measure
 
-    quant = "W8A8 (checkpoint)" if o.model is not None and models.prequantized(o.model) else f"W8A8 {o.quant} ({o.quantizer})"
+    checkpoint = o.model is not None and models.prequantized(o.model)
+    quant = "W8A8 (checkpoint)" if checkpoint else f"W8A8 {o.quant} ({o.quantizer})"
     ours = f"{quant}, fusepass"
     variants = [("bf16, torch.compile", model, {}), (f"{quant}, torch.compile", qmodel, {}),
                 (ours, fmodel, {"backend": fusepass_backend})]

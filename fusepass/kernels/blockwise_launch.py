@@ -26,8 +26,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .blockwise import BLOCK, blockwise_mm_kernel
 from .configs import Config, cdiv, decode_unsplit, fit, merge_buckets, sm_count
 from .direct import launcher, record
-from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, choices_then, cublas_layout, decode_splits,
-                     new_output, on_device, cond_choice, run_cublas, split_k_buffers)
+from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, choices_then, cond_choice, cublas_layout,
+                     decode_splits, new_output, on_device, run_cublas, split_k_buffers)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may

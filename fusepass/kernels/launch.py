@@ -331,8 +331,8 @@ def _by_m(choices: list, run, operands: tuple, symbols: tuple):
     top, cfg = choices[0]
     if top is None or len(choices) == 1 or statically_known_true(M <= top):
         return run(cfg, *operands)
-    return cond_choice(M <= top, lambda ops, syms: run(cfg, *ops), lambda ops, syms: _by_m(choices[1:], run, ops, syms),
-                operands, symbols)
+    return cond_choice(M <= top, lambda ops, syms: run(cfg, *ops),
+                       lambda ops, syms: _by_m(choices[1:], run, ops, syms), operands, symbols)
 
 
 def cond_choice(pred, if_true, if_false, operands: tuple, symbols: tuple):

@@ -195,9 +195,8 @@ class Inserter:
         self.created: list[fx.Node] = []
         # (the graph's one fake mode, from its first fake value: a scan of every node per
         # rewrite made the pass quadratic in the graph)
-        self.fake_mode = next((v.fake_mode for v in (n.meta.get("val") for n in graph.nodes)
-                               if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode")), None) \
-            or detect_fake_mode([n.meta["val"] for n in graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)])
+        first = next((v for v in (n.meta.get("val") for n in graph.nodes) if isinstance(v, torch.Tensor)), None)
+        self.fake_mode = detect_fake_mode([] if first is None else [first])
 
     def call(self, target, *args, **kwargs) -> fx.Node:
         with self.graph.inserting_before(self.anchor):

@@ -90,11 +90,12 @@ def _signature(node: fx.Node, args: list):
         return None
 
 
-def _trace(node: fx.Node) -> tuple[fx.GraphModule, list] | None:
+def _trace(node: fx.Node, args: list) -> tuple[fx.GraphModule, list] | None:
     """The trace of ``node``'s implementation on its arguments' fake values, and the
     graph nodes its placeholders stand for: the tensor arguments, then the size symbols
-    they hold (see ``GRAPH_SYMBOLS``). None where a symbol has no source in the graph."""
-    impl, args = IMPLS[node.target], schema_args(node)
+    they hold (see ``GRAPH_SYMBOLS``). None where a symbol has no source in the graph.
+    ``args``: ``node``'s schema arguments."""
+    impl = IMPLS[node.target]
     tensors = _tensors(args)
     fakes = [t.meta["val"] for t in tensors]
     symbols = sorted(set().union(*map(free_symbols, fakes)), key=str)
@@ -177,12 +178,13 @@ def lower(graph: fx.Graph) -> int:
         val = node.meta["val"]
         if (val[0] if isinstance(val, (list, tuple)) else val).device.type == "cuda" and INTERPRETED:
             continue  # the interpreter's kernels cannot be traced: the op call stays
-        key = _signature(node, schema_args(node))
+        args = schema_args(node)
+        key = _signature(node, args)
         if key in traces:
-            _splice(graph, node, traces[key], _tensors(schema_args(node)), reused=True)
+            _splice(graph, node, traces[key], _tensors(args), reused=True)
             count += 1
             continue
-        traced = _trace(node)
+        traced = _trace(node, args)
         if traced is None:  # left as an op call: slower to launch, as correct
             log.debug("%s: a size symbol has no source in the graph; not lowered", node)
             continue

@@ -26,9 +26,9 @@ def run(fn, *args, dynamic=None):
     traced, graphs = [], []
     trace = lower_mod._trace
 
-    def counted(node):
+    def counted(node, *args):
         traced.append(node)
-        return trace(node)
+        return trace(node, *args)
 
     def on_graph(gm):
         lower_mod._trace = counted
@@ -110,7 +110,7 @@ def f(a, sa, sb, *ws):
 
 gm = make_fx(f, tracing_mode="fake")(a, sa, sb, *ws)
 traced, trace = [], L._trace
-L._trace = lambda node: traced.append(node) or trace(node)
+L._trace = lambda node, *args: traced.append(node) or trace(node, *args)
 assert L.lower(gm.graph) == 3
 hops = [n for n in gm.graph.nodes if "triton_kernel_wrapper_mutation" in str(n.target)]
 outs = [h.kwargs["kwargs"]["out_ptr"] for h in hops]
