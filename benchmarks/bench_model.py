@@ -139,8 +139,8 @@ def _steps(call, graphs: bool, calls: int) -> None:
 
 
 def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> tuple[float, float]:
-    """(GPU kernel ms, kernels) per call, over ``calls`` calls; ``table``: a path to write the
-    kernels' time and launches per call there, by kernel name, slowest first."""
+    """(GPU kernel ms, kernels) per call, over ``calls`` calls; ``table``: a path to write
+    ``kernel_table`` there."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -148,15 +148,32 @@ def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> t
         _steps(call, graphs, calls)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     if table:
-        by_name: dict = {}
-        for e in kernels:
-            us, n = by_name.get(e.name, (0.0, 0))
-            by_name[e.name] = (us + e.device_time / calls, n + 1 / calls)
         with open(table, "w") as f:
-            f.write("us/call  launches/call  kernel\n")
-            slowest = sorted(by_name.items(), key=lambda item: -item[1][0])
-            f.writelines(f"{us:8.1f}  {n:6.1f}  {name}\n" for name, (us, n) in slowest)
+            f.write(kernel_table([(e.name, e.time_range.start, e.time_range.end) for e in kernels], calls))
     return sum(e.device_time for e in kernels) / 1e3 / calls, len(kernels) / calls
+
+
+def kernel_table(kernels: list[tuple[str, float, float]], calls: int) -> str:
+    """The kernels ``(name, start us, end us)`` of ``calls`` steps by name, slowest first: time,
+    launches, and the GPU's idle time before them (from the end of all work before each launch
+    to its start), per call. The idle column splits a step's gap by the kernel that waited: the
+    first kernel of each step after the first holds the wait between steps."""
+    by_name: dict[str, list[float]] = {}
+    busy_until = None
+    for name, start, end in sorted(kernels, key=lambda k: k[1]):
+        idle = 0.0 if busy_until is None else max(0.0, start - busy_until)
+        busy_until = end if busy_until is None else max(busy_until, end)
+        row = by_name.setdefault(name, [0.0, 0, 0.0])
+        row[0] += end - start
+        row[1] += 1
+        row[2] += idle
+    lines = ["   us/call  launches/call  idle-before us/call  kernel"]
+    for name, (us, n, idle) in sorted(by_name.items(), key=lambda item: -item[1][0]):
+        lines.append(f"{us / calls:10.1f}  {n / calls:13.1f}  {idle / calls:19.1f}  {name}")
+    idle = sum(row[2] for row in by_name.values())
+    lines.append(f"{sum(row[0] for row in by_name.values()) / calls:10.1f}  "
+                 f"{len(kernels) / calls:13.1f}  {idle / calls:19.1f}  (all)")
+    return "\n".join(lines) + "\n"
 
 
 def _host_profiled(call, graphs: bool, calls: int, path: str) -> None:

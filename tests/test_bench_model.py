@@ -134,3 +134,15 @@ def test_caches_too_big_together_are_timed_one_variant_after_another(monkeypatch
     assert bench._fit_together({"a": model, "b": model}, "b64", 1024)
     assert not bench._fit_together({"a": model, "b": model, "c": model}, "b64", 1024)
     assert bench._fit_together({"a": model, "b": model, "c": model}, "prefill", 1024)
+
+
+def test_kernel_table_splits_the_idle_time_by_the_kernel_that_waited():
+    # two steps of: gemm [0, 10), quant [13, 14) (idle 3), a copy overlapping the gemm [5, 12)
+    # (no idle: the GPU was busy), then the next step's gemm at 20 (idle 6 after the quant)
+    step = [("gemm", 0.0, 10.0), ("copy", 5.0, 12.0), ("quant", 13.0, 14.0)]
+    kernels = step + [(name, start + 20, end + 20) for name, start, end in step]
+    lines = bench.kernel_table(kernels, calls=2).splitlines()
+    rows = {line.split()[-1]: [float(x) for x in line.split()[:3]] for line in lines[1:]}
+    assert rows == {"gemm": [10.0, 1.0, 3.0], "copy": [7.0, 1.0, 0.0], "quant": [1.0, 1.0, 1.0],
+                    "(all)": [18.0, 3.0, 4.0]}
+    assert [line.split()[-1] for line in lines[1:]] == ["gemm", "copy", "quant", "(all)"]
