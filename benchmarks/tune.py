@@ -53,6 +53,7 @@ from fusepass.kernels.configs import (
     fit,
     m_bucket,
     pointer_loads_only,
+    select_config,
     table_key,
 )
 from fusepass.kernels.launch import persistent_stages
@@ -190,9 +191,12 @@ def time_config(dtype: str, cfg: Config, sets: list, copies: int) -> float:
     return graph_time_us(lambda i: (lambda t=sets[i]: run(t, dtype, cfg)), copies)
 
 
-def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log, grid: str = "base") -> dict:
-    """us of every candidate at one (dtype, bucket, N, K): {Config: us}."""
+def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log, grid: str = "base") -> tuple[dict, Config]:
+    """us of every candidate at one (dtype, bucket, N, K), ``{Config: us}``, and the config the
+    launch takes there today (timed too: how much the new row gains)."""
     M = bucket_m(bucket)
+    torch_dtype = torch.int8 if dtype.startswith("int8") else torch.float8_e4m3fn
+    current = select_config(M, N, K, torch_dtype, torch.device("cuda"), dtype == "int8_azp")
     copies = max(1, min(64, math.ceil(3 * l2_bytes / (M * K + N * K))))
     g = torch.Generator(device="cuda").manual_seed(M + N + K)
     sets = [inputs(dtype, M, N, K, g) for _ in range(copies)]
@@ -205,12 +209,12 @@ def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log, grid
         torch.testing.assert_close(out, ref, rtol=1e-2, atol=1e-2)
         return time_config(dtype, cfg, sets, copies)
 
-    return search(bucket, N, K, grid, measure, log)
+    return search(bucket, N, K, grid, measure, log, current), current
 
 
-def search(bucket: int, N: int, K: int, grid: str, measure, log) -> dict:
-    """{Config: us} of the configs tried at one shape, ``measure(cfg)`` timing one (apart from
-    the GPU work, so the procedure is testable)."""
+def search(bucket: int, N: int, K: int, grid: str, measure, log, current: Config | None = None) -> dict:
+    """{Config: us} of the configs tried at one shape, ``current`` among them, ``measure(cfg)``
+    timing one (apart from the GPU work, so the procedure is testable)."""
     results: dict[Config, float] = {}
 
     def trial(cfg: Config):
@@ -226,6 +230,8 @@ def search(bucket: int, N: int, K: int, grid: str, measure, log) -> dict:
             log(f"    skip {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
 
     trial(BUILTIN[bucket])
+    if current is not None:
+        trial(current)
     for cfg in grid_candidates(bucket, grid):
         trial(cfg)
     if is_wide(bucket, grid):  # the grid holds every split and depth already
@@ -316,7 +322,7 @@ def main(argv=None) -> int:
         for bucket in buckets:
             per_shape = {}
             for N, K in shapes:
-                results = tune_shape(dtype, bucket, N, K, l2, log, args.grid)
+                results, current = tune_shape(dtype, bucket, N, K, l2, log, args.grid)
                 best = choose(results, bucket)
                 base = fit(BUILTIN[bucket], N, K)
                 per_shape[(N, K)] = results
@@ -324,6 +330,7 @@ def main(argv=None) -> int:
                     "config": best.as_dict(), "us": round(results[best], 2),
                     "builtin_us": round(results[base], 2) if base in results else None,
                     "candidates": len(results),
+                    "before_us": round(results[current], 2) if current in results else None,
                 }
                 if runs_unsplit(bucket):  # what the row's config costs outside CUDA graphs
                     unsplit = results.get(replace(best, split_k=1))
@@ -331,7 +338,8 @@ def main(argv=None) -> int:
                 done += 1
                 log(f"{done}/{todo} {dtype} M={bucket_m(bucket)} N={N} K={K}: {results[best]:.1f} us "
                     f"({results.get(base, math.nan) / results[best]:.2f}x faster than the built-in default"
-                    + (f", unsplit {row['unsplit_us']} us" if "unsplit_us" in row else "") + f") {best}")
+                    + (f", unsplit {row['unsplit_us']} us" if "unsplit_us" in row else "")
+                    + f"; the table's config before: {row['before_us']} us) {best}")
             default, score = pick_default(bucket, per_shape, args.grid)
             log(f"default {table_key(dtype, bucket)}: {default} ({score:.3f}x the per-shape best, geomean)"
                 + (" (not written: --keep-defaults)" if args.keep_defaults else ""))

@@ -148,6 +148,14 @@ def test_wide_search_times_the_grid_and_skips_failures(tune):
     assert set(_search(tune, 256, "wide")[0]) == set(_search(tune, 256, "base")[0])
 
 
+def test_search_times_the_config_launch_takes_today(tune):
+    """A row records what it gains over today's config, even one outside the grid."""
+    today = _cfg(tune, bn=256, split=2, stages=3, bm=32)
+    assert today not in tune.WIDE_DECODE
+    results = tune.search(tune.m_bucket(1), 4096, 4096, "wide", _fake_time, lambda _: None, today)
+    assert results[today] == _fake_time(today) and set(results) - {today} <= set(tune.WIDE_DECODE)
+
+
 def test_pick_default_picks_among_the_grid(tune):
     bucket = tune.m_bucket(64)
     per_shape = {(N, K): _search(tune, 64, "wide", N, K)[0] for N, K in [(4096, 4096), (8192, 8192)]}
