@@ -69,6 +69,9 @@ VARIANTS = {
     "ct-fp8-fusepass": ("fp8", "compressed-tensors", "fusepass", True),
 }
 MODES = {"default": None, "graphs": "reduce-overhead"}
+# --guard-filter: torch.compile's guard_filter_fn, for models whose modules do not change
+# after the compile (public, "unsafe" by torch's name: a changed attribute goes unseen).
+GUARD_FILTERS = {"skip-nn-modules": "skip_guard_on_all_nn_modules_unsafe"}
 STEPS = ("prefill", "b1", "b16", "b64")
 
 
@@ -97,9 +100,16 @@ def build(variant: str, base, log=print):
     return model
 
 
-def _compiled(model, variant: str, mode: str):
+def _compiled(model, variant: str, mode: str, guard_filter: str | None = None):
     backend = VARIANTS[variant][2]
-    return torch.compile(model, backend=backend, mode=MODES[mode], dynamic=False)
+    if guard_filter is None:
+        return torch.compile(model, backend=backend, mode=MODES[mode], dynamic=False)
+    # torch.compile takes a mode or options, not both: the mode's options, and the filter
+    from torch._inductor import list_mode_options
+
+    options = {**(list_mode_options(MODES[mode]) if MODES[mode] else {}),
+               "guard_filter_fn": getattr(torch.compiler, GUARD_FILTERS[guard_filter])}
+    return torch.compile(model, backend=backend, options=options, dynamic=False)
 
 
 def _call(fn, model, step: str, ids, cache_len: int):
@@ -211,10 +221,11 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
-def _start(model, variant: str, mode: str, step: str, ids, cache_len: int, profile: str | None):
+def _start(model, variant: str, mode: str, step: str, ids, cache_len: int, profile: str | None,
+           guard_filter: str | None = None):
     """Compile and warm up one cell: (its row with ``compile_s``, its call), or (the row with
     its error, None)."""
-    fn = _compiled(model, variant, mode)
+    fn = _compiled(model, variant, mode, guard_filter)
     graphs = mode == "graphs"
     row = {"variant": variant, "mode": mode, "step": step}
     try:
@@ -231,17 +242,18 @@ def _start(model, variant: str, mode: str, step: str, ids, cache_len: int, profi
     return row, call
 
 
-def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, profiles: dict) -> list[dict]:
+def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, profiles: dict,
+          guard_filter: str | None = None) -> list[dict]:
     """One row per variant of ``built`` (variant: model) at (mode, step): each compiled and
     warmed in turn, then all timed in ROUNDS alternating rounds (``calls`` each in all; the
     median), then profiled. ``profiles``: variant -> (cProfile path of its compile, path prefix
-    of its steps' profiles), each or None."""
+    of its steps' profiles), each or None. ``guard_filter``: a GUARD_FILTERS name, or None."""
     torch.compiler.reset()
     graphs = mode == "graphs"
     # The variants share forward's code object: one compile each, past Dynamo's default limit
     # of 8 (at which a further variant would run eagerly, with a warning only).
     with torch._dynamo.config.patch(recompile_limit=max(8, len(built) + 1)):
-        started = [_start(model, v, mode, step, ids, cache_len, profiles.get(v, (None, None))[0])
+        started = [_start(model, v, mode, step, ids, cache_len, profiles.get(v, (None, None))[0], guard_filter)
                    for v, model in built.items()]
     times: list[list[float]] = [[] for _ in started]
     with torch.no_grad():
@@ -286,26 +298,27 @@ def _fit_together(built: dict, step: str, cache_len: int) -> bool:
 
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
         cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, profile_dir: str | None = None,
-        steps_dir: str | None = None, log=print) -> list[dict]:
+        steps_dir: str | None = None, guard_filter: str | None = None, log=print) -> list[dict]:
     """Time every (depth, variant, mode, step) cell; ``sizes``: the model's but for its depth.
     On a CPU (tests: a small ``sizes``) cells have wall times only. ``profile_dir``: each
     cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``;
     ``steps_dir``: its steps, ``<cell>-host.txt`` (cProfile) and ``<cell>-kernels.txt`` (GPU
-    kernels by name)."""
+    kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__}
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            **({"guard_filter": guard_filter} if guard_filter else {})}
     rows = []
     for depth in layers:
         sizes = dataclasses.replace(sizes, layers=depth)
         rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
-                           profile_dir, steps_dir)
+                           profile_dir, steps_dir, guard_filter)
     return rows
 
 
 def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
-               profile_dir, steps_dir) -> list[dict]:
+               profile_dir, steps_dir, guard_filter) -> list[dict]:
     with models.quiet_imports(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = models.random_llama(sizes, max(cache_len, prefill), device, 0)
@@ -323,7 +336,7 @@ def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls,
                                 steps_dir and os.path.join(steps_dir, name)) for v, name in names.items()}
                 groups = [built] if _fit_together(built, step, cache_len) else [{v: m} for v, m in built.items()]
                 group = [{**meta, "layers": sizes.layers, **row}
-                         for subset in groups for row in cells(subset, mode, step, ids, cache_len, calls, profiles)]
+                         for subset in groups for row in cells(subset, mode, step, ids, cache_len, calls, profiles, guard_filter)]
                 for row in group:
                     log(f"[{sizes.layers} layers] {row['variant']} {mode} {step}: {_line(row)}")
                 if out:
@@ -357,6 +370,11 @@ def load(path: str) -> list[dict]:
     return rows
 
 
+def _name(row: dict) -> str:
+    """A row's variant, with its guard filter if it had one."""
+    return row["variant"] + (f" ({row['guard_filter']})" if row.get("guard_filter") else "")
+
+
 def report(rows: list[dict]) -> str:
     """A markdown table per depth: each cell's step ms and its ratio to bf16's in the same run
     (same mode and step), GPU kernel ms, the gap, and the compile time."""
@@ -369,12 +387,12 @@ def report(rows: list[dict]) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|"]
         for r in [r for r in rows if r["layers"] == depth]:
             if "error" in r:
-                lines.append(f"| {r['run']} | {r['variant']} | {r['mode']} | {r['step']} | fails: {r['error']} | | | | | |")
+                lines.append(f"| {r['run']} | {_name(r)} | {r['mode']} | {r['step']} | fails: {r['error']} | | | | | |")
                 continue
             base = bf16.get((r["run"], r["layers"], r["mode"], r["step"]))
             ratio = f"{base / r['step_ms']:.2f}x" if base and r["variant"] != "bf16" else ""
             gpu = [f"{r[k]:{f}}" if k in r else "" for k, f in (("kernel_ms", ".3f"), ("kernels", ".0f"), ("gap_ms", ".3f"))]
-            lines.append(f"| {r['run']} | {r['variant']} | {r['mode']} | {r['step']} | {r['step_ms']:.3f} | {ratio} | "
+            lines.append(f"| {r['run']} | {_name(r)} | {r['mode']} | {r['step']} | {r['step_ms']:.3f} | {ratio} | "
                          f"{' | '.join(gpu)} | {r['compile_s']} |")
     return "\n".join(lines).strip()
 
@@ -389,12 +407,12 @@ def plot(rows: list[dict], path: str) -> None:
 
     bf16 = {(r["run"], r["layers"], r["mode"], r["step"]): r["step_ms"] for r in rows
             if r["variant"] == "bf16" and "step_ms" in r}
-    latest = {(r["layers"], r["variant"], r["mode"], r["step"]): r for r in rows if "step_ms" in r}
+    latest = {(r["layers"], _name(r), r["mode"], r["step"]): r for r in rows if "step_ms" in r}
     rows = list(latest.values())
     depths = sorted({r["layers"] for r in rows})
     fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4), squeeze=False)
     for ax, depth in zip(axes[0], depths, strict=True):
-        cells = [(f"{r['step']}\n{r['mode']}", r["variant"], bf16[k] / r["step_ms"])
+        cells = [(f"{r['step']}\n{r['mode']}", _name(r), bf16[k] / r["step_ms"])
                  for r in rows if r["layers"] == depth and "step_ms" in r and r["variant"] != "bf16"
                  and (k := (r["run"], r["layers"], r["mode"], r["step"])) in bf16]
         labels = list(dict.fromkeys(c[0] for c in cells))
@@ -428,6 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-steps", metavar="DIR", default=None,
                     help="after timing, profile each cell's steps into DIR: the host's functions "
                          "(cProfile) and the GPU's kernels by name")
+    ap.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default=None,
+                    help="compile with this guard_filter_fn of torch.compiler (for models whose modules "
+                         "do not change after the compile)")
     ap.add_argument("--report", default=None, help="print the tables of this JSON list (no run)")
     ap.add_argument("--plot", default=None, help="with --report: also plot it to this PNG")
     args = ap.parse_args(argv)
@@ -454,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls + 11 + (5 if args.profile_steps else 0) > args.cache:
         ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps (+ 5 with --profile-steps)")
     rows = run(layers, variants, modes, steps, prefill=args.prefill, cache_len=args.cache, calls=args.calls,
-               out=args.out, profile_dir=args.profile_compile, steps_dir=args.profile_steps)
+               out=args.out, profile_dir=args.profile_compile, steps_dir=args.profile_steps,
+               guard_filter=args.guard_filter)
     print(report(rows))
     return 0
 

@@ -114,8 +114,8 @@ def test_more_variants_than_dynamos_recompile_limit_all_compile(monkeypatch):
         return gm.forward
 
     monkeypatch.setattr(bench, "_timed", lambda call, graphs: call() and 1.0)
-    monkeypatch.setattr(bench, "_compiled", lambda model, variant, mode: torch.compile(model, backend=backend,
-                                                                                      dynamic=False))
+    monkeypatch.setattr(bench, "_compiled", lambda model, variant, mode, guard_filter: torch.compile(
+        model, backend=backend, dynamic=False))
     # (each its own vocabulary size: a model of the same sizes would reuse the first graph)
     built = {f"v{i}": models.random_llama(dataclasses.replace(SMALL, vocab_size=256 + 8 * i), 32,
                                           torch.device("cpu"), i) for i in range(9)}
@@ -146,3 +146,20 @@ def test_kernel_table_splits_the_idle_time_by_the_kernel_that_waited():
     assert rows == {"gemm": [10.0, 1.0, 3.0], "copy": [7.0, 1.0, 0.0], "quant": [1.0, 1.0, 1.0],
                     "(all)": [18.0, 3.0, 4.0]}
     assert [line.split()[-1] for line in lines[1:]] == ["gemm", "copy", "quant", "(all)"]
+
+
+def test_a_guard_filter_reaches_torch_compile_and_the_rows(monkeypatch):
+    import torch
+
+    seen = []
+
+    def compile(model, **kwargs):
+        seen.append(kwargs)
+        return model
+
+    monkeypatch.setattr(torch, "compile", compile)
+    rows = bench.run([1], ["bf16"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+                     guard_filter="skip-nn-modules", log=lambda _: None)
+    assert seen[0]["options"]["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    assert "mode" not in seen[0] and rows[0]["guard_filter"] == "skip-nn-modules"
+    assert "| bf16 (skip-nn-modules) | default | b1 |" in bench.report(rows)
