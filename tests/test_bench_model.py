@@ -81,6 +81,7 @@ def test_variants_are_timed_in_alternating_rounds(monkeypatch):
     (["--modes", "graphs"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
     (["--variants", "fp8"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
     (["--profile-compile", "/no/such/dir"], "--profile-compile /no/such/dir: no such directory"),
+    (["--variants", "bf16,int8", "--guard-filter", "skip-nn-modules"], "--guard-filter times one variant per process"),
 ])
 def test_bad_flags(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
