@@ -69,11 +69,31 @@ VARIANTS = {
     "ct-fp8-fusepass": ("fp8", "compressed-tensors", "fusepass", True),
 }
 MODES = {"default": None, "graphs": "reduce-overhead"}
-# --guard-filter: torch.compile's guard_filter_fn, for models whose modules do not change
-# after the compile (public, "unsafe" by torch's name: a changed attribute goes unseen).
-# One variant per process then: its models' classes are alike, and filtered guards cannot tell
-# one model's weights from another's.
-GUARD_FILTERS = {"skip-nn-modules": "skip_guard_on_all_nn_modules_unsafe"}
+# --guard-filter: a guard_filter_fn for torch.compile, for models whose modules do not change
+# after the compile ("unsafe" by torch's name: a changed attribute goes unseen). One variant
+# per process then: its models' classes are alike, and filtered guards cannot tell one model's
+# weights from another's. "skip-nn-modules" is torch's own filter; the others drop one kind of
+# guard under the model's modules each (a guard's name holds its source, e.g.
+# "L['self']._modules['mlp']._buffers['weight']"), to find which of them a step pays for.
+_TENSOR_GUARDS = ("TENSOR_MATCH", "DUPLICATE_INPUT")
+
+
+def _under_modules(entry) -> bool:
+    return any(part in entry.name for part in ("._modules[", "._parameters[", "._buffers["))
+
+
+def _dropping(drop):
+    def guard_filter(entries):
+        return [not (_under_modules(e) and drop(e.guard_type)) for e in entries]
+    return guard_filter
+
+
+GUARD_FILTERS = {
+    "skip-nn-modules": lambda: torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    "skip-module-tensors": lambda: _dropping(lambda kind: kind in _TENSOR_GUARDS),
+    "skip-module-values": lambda: _dropping(lambda kind: kind not in _TENSOR_GUARDS),
+    "skip-duplicate-inputs": lambda: _dropping(lambda kind: kind == "DUPLICATE_INPUT"),
+}
 STEPS = ("prefill", "b1", "b16", "b64")
 
 
@@ -110,7 +130,7 @@ def _compiled(model, variant: str, mode: str, guard_filter: str | None = None):
     from torch._inductor import list_mode_options
 
     options = {**(list_mode_options(MODES[mode]) if MODES[mode] else {}),
-               "guard_filter_fn": getattr(torch.compiler, GUARD_FILTERS[guard_filter])}
+               "guard_filter_fn": GUARD_FILTERS[guard_filter]()}
     return torch.compile(model, backend=backend, options=options, dynamic=False)
 
 
@@ -449,8 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="after timing, profile each cell's steps into DIR: the host's functions "
                          "(cProfile) and the GPU's kernels by name")
     ap.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default=None,
-                    help="compile with this guard_filter_fn of torch.compiler (for models whose modules "
-                         "do not change after the compile)")
+                    help="compile with this guard_filter_fn (for models whose modules do not change after "
+                         "the compile; one variant per process)")
     ap.add_argument("--report", default=None, help="print the tables of this JSON list (no run)")
     ap.add_argument("--plot", default=None, help="with --report: also plot it to this PNG")
     args = ap.parse_args(argv)

@@ -164,3 +164,16 @@ def test_a_guard_filter_reaches_torch_compile_and_the_rows(monkeypatch):
     assert seen[0]["options"]["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
     assert "mode" not in seen[0] and rows[0]["guard_filter"] == "skip-nn-modules"
     assert "| bf16 (skip-nn-modules) | default | b1 |" in bench.report(rows)
+
+
+def test_measuring_filters_drop_one_kind_of_guard_under_the_modules():
+    from types import SimpleNamespace as Entry
+
+    entries = [Entry(name="L['self']._modules['q']._buffers['weight']", guard_type="TENSOR_MATCH"),
+               Entry(name="L['self']._modules['q'].lo", guard_type="CONSTANT_MATCH"),
+               Entry(name="L['self']._modules['q']._buffers['weight']", guard_type="DUPLICATE_INPUT"),
+               Entry(name="L['input_ids']", guard_type="TENSOR_MATCH")]
+    keep = {name: bench.GUARD_FILTERS[name]()(entries) for name in bench.GUARD_FILTERS if name != "skip-nn-modules"}
+    assert keep == {"skip-module-tensors": [False, True, False, True],
+                    "skip-module-values": [True, False, True, True],
+                    "skip-duplicate-inputs": [True, True, False, True]}
