@@ -12,13 +12,18 @@ and launches from its own generated code, as it launches its own kernels: no cus
 dispatch, no input check and no table lookup per call. With a static M the config is chosen
 at trace time; with a symbolic M it is a chain of ``cond`` on ``M <= bucket top``, so one
 compiled graph runs each M on its own bucket's tiles (a host-side ``if`` in the wrapper).
+
+Either way a launch takes three steps: the config (``select_config``, or ``bucket_choices``
+and ``_by_m`` for a symbolic M; cuBLAS above FP8_CUBLAS_ABOVE_M for fp8), the plan (``plan``:
+kernel, grid and constexprs, from sizes and layouts alone) and the launch (``_run``, through
+``direct.launcher``: a ``DirectLauncher`` eagerly, a ``wrap_triton`` node traced).
 """
 
 from __future__ import annotations
 
 import contextlib
 from contextvars import ContextVar
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -219,38 +224,67 @@ def choices_then(choices: list, limit: int, choice) -> list:
     return kept + [(None, choice)]
 
 
+@dataclass(frozen=True)
+class Plan:
+    """One launch of the fused GEMM as ``plan`` decides it from the config and the operands'
+    sizes and layouts alone: the kernel, its grid and compile-time arguments, and what it
+    needs beside its operands. ``_run`` carries it out, eagerly or traced alike."""
+
+    kernel: object  # scaled_mm_kernel, or scaled_mm_persistent_kernel
+    grid: tuple
+    constexprs: dict  # the epilogue's flags, the tiling, and the kernel's own switches
+    split_k: int = 1  # > 1: (split_k, M, N) partial slices and a zeroed ticket per tile
+    tma: bool = False  # device-made TMA descriptors: Triton's scratch allocator, eagerly
+
+    @property
+    def persistent(self) -> bool:
+        return self.kernel is scaled_mm_persistent_kernel
+
+
+def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, fake: bool) -> Plan:
+    """The launch of ``cfg`` for ``a @ b`` into ``out`` (``flags``: the epilogue's constexprs):
+    TMA where ``cfg`` asks for it and the layouts allow it; the persistent kernel where ``cfg``
+    asks for it, TMA can also store ``out`` and two stages fit in shared memory (else the tile
+    kernel with the same tiles). Launches nothing and allocates nothing."""
+    M, N = a.shape[0], b.shape[1]
+    tma = cfg.tma and tma_allowed(a, b, fake)
+    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    persistent = cfg.persistent and tma and cfg.split_k == 1 and _aligned(out, out.stride(0), fake)
+    fitted = persistent_stages(cfg, out.element_size(), a.device) if persistent else None
+    if fitted is not None:
+        sms = sm_count(a.device)
+        # Programs past the last tile find no tile: with a symbolic M, launch one per SM.
+        grid = (min(sms, tiles) if is_concrete_int(tiles) else sms,)
+        return Plan(scaled_mm_persistent_kernel, grid,
+                    {**flags, **tiling, "num_stages": fitted.num_stages, "NUM_SMS": sms}, tma=True)
+    constexprs = {**flags, **tiling, "SPLIT_K": cfg.split_k, "USE_TMA": tma,
+                  "EVEN_K": statically_known_true(a.shape[1] % cfg.block_k == 0)}
+    return Plan(scaled_mm_kernel, (tiles, cfg.split_k), constexprs, split_k=cfg.split_k, tma=tma)
+
+
 def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp):
-    """Launch the kernel of one config; returns the new (M, N) output."""
+    """Launch the kernel of one config (``plan``); returns the new (M, N) output."""
     M, K = a.shape
     N = b.shape[1]
     out = new_output(a, b, out_dtype)
     fake = _traced(a)
     if INTERPRETED and fake:
         return out
-    tma = cfg.tma and tma_allowed(a, b, fake)
-    prepare = _ensure_allocator if tma and not fake and a.is_cuda else None
+    p = plan(cfg, flags, a, b, out, fake)
+    prepare = _ensure_allocator if p.tma and not fake and a.is_cuda else None
     if prepare is not None:
         prepare()
-    tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # Unused pointers are None: Triton makes them constexprs (no argument to pass), and
     # Inductor gets no second alias of a tensor to clone.
     operands = (a, b, out, scale_a, scale_b, bias, azp_adj, azp)
     partial = tickets = None
-    persistent = cfg.persistent and tma and cfg.split_k == 1 and _aligned(out, out.stride(0), fake)
-    fitted = persistent_stages(cfg, out.element_size(), a.device) if persistent else None
-    if fitted is not None:
-        tiling["num_stages"] = fitted.num_stages
-        sms = sm_count(a.device)
-        # Programs past the last tile find no tile: with a symbolic M, launch one per SM.
-        grid = (min(sms, tiles) if is_concrete_int(tiles) else sms,)
+    if p.persistent:
         args = (*operands, M, N, K, a.stride(0), b.stride(1), out.stride(0))
-        entry = launcher(scaled_mm_persistent_kernel, fake)[grid](*args, **flags, **tiling, NUM_SMS=sms)
     else:
-        grid = (tiles, cfg.split_k)
         acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
-        partial, tickets = split_k_buffers(cfg.split_k, tiles, M, N, acc_dtype, a.device, fake)
+        partial, tickets = split_k_buffers(p.split_k, p.grid[0], M, N, acc_dtype, a.device, fake)
         args = (
             *operands, partial, tickets,
             M, N, K,
@@ -258,14 +292,9 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
             b.stride(0), b.stride(1),
             out.stride(0), out.stride(1),
         )
-        entry = launcher(scaled_mm_kernel, fake)[grid](
-            *args, **flags, **tiling,
-            SPLIT_K=cfg.split_k,
-            USE_TMA=tma,
-            EVEN_K=statically_known_true(K % cfg.block_k == 0),
-        )
+    entry = launcher(p.kernel, fake)[p.grid](*args, **p.constexprs)
     if not fake:
-        record(entry, grid, args, out, None if partial is None else (partial, tickets), prepare)
+        record(entry, p.grid, args, out, None if partial is None else (partial, tickets), prepare)
     return out
 
 
