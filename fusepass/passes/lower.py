@@ -170,7 +170,7 @@ def lower(graph: fx.Graph) -> int:
     """Replace every fusepass op call of ``graph`` by its implementation; returns how many.
     Calls of one signature (``_signature``: a model's layers) share one trace: a trace costs
     about 10 ms (a 32-layer torchao int8 Llama's decode graph on a CPU: 129 traces, 1.25 s of
-    the pass's 1.96 s; ``benchmarks/NOTES.md`` run 21, step 5)."""
+    the pass's 1.96 s)."""
     count, traces = 0, {}
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in IMPLS:
