@@ -74,25 +74,35 @@ MODES = {"default": None, "graphs": "reduce-overhead"}
 # per process then: its models' classes are alike, and filtered guards cannot tell one model's
 # weights from another's. "skip-nn-modules" is torch's own filter; the others drop one kind of
 # guard under the model's modules each (a guard's name holds its source, e.g.
-# "L['self']._modules['mlp']._buffers['weight']"), to find which of them a step pays for.
+# "L['self']._modules['mlp']._buffers['weight']"), to find which of them a step pays for;
+# "skip-prepared-values" drops all but the tensor guards under fusepass.prepare's modules.
 _TENSOR_GUARDS = ("TENSOR_MATCH", "DUPLICATE_INPUT")
 
 
-def _under_modules(entry) -> bool:
-    return any(part in entry.name for part in ("._modules[", "._parameters[", "._buffers["))
+def _under_modules(name: str) -> bool:
+    return any(part in name for part in ("._modules[", "._parameters[", "._buffers["))
 
 
-def _dropping(drop):
+def _under_prepared(model):
+    """Whether a guard's source lies under one of ``model``'s ``W8A8Linear`` modules."""
+    paths = ["".join(f"._modules['{part}']" for part in name.split("."))
+             for name, m in model.named_modules() if isinstance(m, fusepass.W8A8Linear)]
+    return lambda name: any(path in name for path in paths)
+
+
+def _dropping(drop, under=_under_modules):
     def guard_filter(entries):
-        return [not (_under_modules(e) and drop(e.guard_type)) for e in entries]
+        return [not (under(e.name) and drop(e.guard_type)) for e in entries]
     return guard_filter
 
 
-GUARD_FILTERS = {
-    "skip-nn-modules": lambda: torch.compiler.skip_guard_on_all_nn_modules_unsafe,
-    "skip-module-tensors": lambda: _dropping(lambda kind: kind in _TENSOR_GUARDS),
-    "skip-module-values": lambda: _dropping(lambda kind: kind not in _TENSOR_GUARDS),
-    "skip-duplicate-inputs": lambda: _dropping(lambda kind: kind == "DUPLICATE_INPUT"),
+GUARD_FILTERS = {  # name: the filter for a model
+    "skip-nn-modules": lambda model: torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+    "skip-module-tensors": lambda model: _dropping(lambda kind: kind in _TENSOR_GUARDS),
+    "skip-module-values": lambda model: _dropping(lambda kind: kind not in _TENSOR_GUARDS),
+    "skip-duplicate-inputs": lambda model: _dropping(lambda kind: kind == "DUPLICATE_INPUT"),
+    "skip-prepared-values": lambda model: _dropping(lambda kind: kind not in _TENSOR_GUARDS,
+                                                    _under_prepared(model)),
 }
 STEPS = ("prefill", "b1", "b16", "b64")
 
@@ -130,7 +140,7 @@ def _compiled(model, variant: str, mode: str, guard_filter: str | None = None):
     from torch._inductor import list_mode_options
 
     options = {**(list_mode_options(MODES[mode]) if MODES[mode] else {}),
-               "guard_filter_fn": GUARD_FILTERS[guard_filter]()}
+               "guard_filter_fn": GUARD_FILTERS[guard_filter](model)}
     return torch.compile(model, backend=backend, options=options, dynamic=False)
 
 

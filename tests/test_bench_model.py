@@ -169,11 +169,20 @@ def test_a_guard_filter_reaches_torch_compile_and_the_rows(monkeypatch):
 def test_measuring_filters_drop_one_kind_of_guard_under_the_modules():
     from types import SimpleNamespace as Entry
 
+    import torch
+
+    from fusepass.integrations.linear import Act, Joint, W8A8Linear
+
     entries = [Entry(name="L['self']._modules['q']._buffers['weight']", guard_type="TENSOR_MATCH"),
                Entry(name="L['self']._modules['q'].lo", guard_type="CONSTANT_MATCH"),
                Entry(name="L['self']._modules['q']._buffers['weight']", guard_type="DUPLICATE_INPUT"),
+               Entry(name="L['self']._modules['norm'].eps", guard_type="CONSTANT_MATCH"),
                Entry(name="L['input_ids']", guard_type="TENSOR_MATCH")]
-    keep = {name: bench.GUARD_FILTERS[name]()(entries) for name in bench.GUARD_FILTERS if name != "skip-nn-modules"}
-    assert keep == {"skip-module-tensors": [False, True, False, True],
-                    "skip-module-values": [True, False, True, True],
-                    "skip-duplicate-inputs": [True, True, False, True]}
+    model = torch.nn.Module()
+    joint = Joint(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+    model.q, model.norm = W8A8Linear(joint, 0, 4, Act("int8")), torch.nn.Identity()
+    keep = {name: bench.GUARD_FILTERS[name](model)(entries) for name in bench.GUARD_FILTERS if name != "skip-nn-modules"}
+    assert keep == {"skip-module-tensors": [False, True, False, True, True],
+                    "skip-module-values": [True, False, True, False, True],
+                    "skip-duplicate-inputs": [True, True, False, True, True],
+                    "skip-prepared-values": [True, False, True, True, True]}
