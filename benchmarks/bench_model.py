@@ -74,8 +74,10 @@ MODES = {"default": None, "graphs": "reduce-overhead"}
 # per process then: its models' classes are alike, and filtered guards cannot tell one model's
 # weights from another's. "skip-nn-modules" is torch's own filter; the others drop one kind of
 # guard under the model's modules each (a guard's name holds its source, e.g.
-# "L['self']._modules['mlp']._buffers['weight']"), to find which of them a step pays for;
+# "L['args'][0]._modules['mlp']._buffers['weight']"), to find which of them a step pays for;
 # "skip-prepared-values" drops all but the tensor guards under fusepass.prepare's modules.
+# DUPLICATE_INPUT: one object reached by two sources (a joint's tensors from each sibling,
+# also a module or config); counted with the tensor guards, as it keeps inputs apart.
 _TENSOR_GUARDS = ("TENSOR_MATCH", "DUPLICATE_INPUT")
 
 
@@ -85,9 +87,13 @@ def _under_modules(name: str) -> bool:
 
 def _under_prepared(model):
     """Whether a guard's source lies under one of ``model``'s ``W8A8Linear`` modules."""
-    paths = ["".join(f"._modules['{part}']" for part in name.split("."))
-             for name, m in model.named_modules() if isinstance(m, fusepass.W8A8Linear)]
-    return lambda name: any(path in name for path in paths)
+    paths = tuple("".join(f"._modules['{part}']" for part in name.split("."))
+                  for name, m in model.named_modules() if isinstance(m, fusepass.W8A8Linear))
+
+    def under(name: str) -> bool:  # the path from the model's root (the name's first _modules)
+        start = name.find("._modules[")
+        return start >= 0 and name[start:].startswith(paths)
+    return under
 
 
 def _dropping(drop, under=_under_modules):
@@ -198,8 +204,10 @@ def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> t
 def kernel_table(kernels: list[tuple[str, float, float]], calls: int) -> str:
     """The kernels ``(name, start us, end us)`` of ``calls`` steps by name, slowest first: time,
     launches, and the GPU's idle time before them (from the end of all work before each launch
-    to its start), per call. The idle column splits a step's gap by the kernel that waited: the
-    first kernel of each step after the first holds the wait between steps."""
+    to its start), each per call. The steps ran back to back (``_profiled``: the host runs
+    ahead), so the idle column is the GPU's waiting inside and between steps, not ``gap_ms``
+    (timed steps wait for the GPU each); a step's first kernel holds the wait between steps,
+    seen ``calls - 1`` times but divided by ``calls`` as the rest."""
     by_name: dict[str, list[float]] = {}
     busy_until = None
     for name, start, end in sorted(kernels, key=lambda k: k[1]):
@@ -328,6 +336,17 @@ def _fit_together(built: dict, step: str, cache_len: int) -> bool:
     return len(built) * cache <= torch.cuda.mem_get_info()[0] / 2
 
 
+def check_guard_filter(variants: list[str], guard_filter: str | None) -> None:
+    """Refuse a guard filter that would time something else than it says (ValueError)."""
+    if guard_filter and len(variants) > 1:
+        # Measured (H200, 32 layers): with torch's filter the fp8 model matched the int8
+        # model's compiled code (its guards on the weights' dtypes were filtered) and ran it.
+        raise ValueError("--guard-filter times one variant per process: models of one class share "
+                         "compiled code once the guards on their modules are filtered")
+    if guard_filter == "skip-prepared-values" and not all(VARIANTS[v][3] for v in variants):
+        raise ValueError("--guard-filter skip-prepared-values needs a variant that fusepass.prepare converts")
+
+
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
         cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, profile_dir: str | None = None,
         steps_dir: str | None = None, guard_filter: str | None = None, log=print) -> list[dict]:
@@ -336,6 +355,7 @@ def run(layers: list[int], variants: list[str], modes: list[str], steps: list[st
     cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``;
     ``steps_dir``: its steps, ``<cell>-host.txt`` (cProfile) and ``<cell>-kernels.txt`` (GPU
     kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row)."""
+    check_guard_filter(variants, guard_filter)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
@@ -431,7 +451,7 @@ def report(rows: list[dict]) -> str:
 
 def plot(rows: list[dict], path: str) -> None:
     """Step time against bf16's (same run, mode and step), one panel per depth; of a cell
-    timed in several runs, the last run's."""
+    timed in several runs, the last run's that has a bf16 row to compare with."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -439,7 +459,8 @@ def plot(rows: list[dict], path: str) -> None:
 
     bf16 = {(r["run"], r["layers"], r["mode"], r["step"]): r["step_ms"] for r in rows
             if r["variant"] == "bf16" and "step_ms" in r}
-    latest = {(r["layers"], _name(r), r["mode"], r["step"]): r for r in rows if "step_ms" in r}
+    latest = {(r["layers"], _name(r), r["mode"], r["step"]): r for r in rows
+              if "step_ms" in r and (r["run"], r["layers"], r["mode"], r["step"]) in bf16}
     rows = list(latest.values())
     depths = sorted({r["layers"] for r in rows})
     fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4), squeeze=False)
@@ -502,11 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--profile-compile", args.profile_compile), ("--profile-steps", args.profile_steps)):
         if path and not os.path.isdir(path):
             ap.error(f"{flag} {path}: no such directory")
-    if args.guard_filter and len(variants) > 1:
-        # Measured (H200, 32 layers): with torch's filter the fp8 model matched the int8
-        # model's compiled code (its guards on the weights' dtypes were filtered) and ran it.
-        ap.error("--guard-filter times one variant per process: models of one class share compiled "
-                 "code once the guards on their modules are filtered")
+    try:
+        check_guard_filter(variants, args.guard_filter)
+    except ValueError as e:
+        ap.error(str(e))
     if not torch.cuda.is_available() and ("graphs" in modes or {"fp8", "fp8-stock"} & set(variants)):
         ap.error("CUDA graphs and the fp8 variants need a CUDA GPU")
     if args.calls + 11 + (5 if args.profile_steps else 0) > args.cache:

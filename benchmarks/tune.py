@@ -18,7 +18,8 @@ unsplit (``configs.decode_unsplit``), so there the winner minimises the worse of
 the best time and its unsplit form's time over the best unsplit time (the row's
 ``unsplit_us``). The bucket's default for unseen shapes is the grid's candidate with the best
 geomean over the tuned shapes (``--keep-defaults`` leaves them: for a run over a few added
-shapes). An existing table at --out is updated, not replaced, and keeps its notes.
+shapes). The config the launch takes today is timed as a candidate too (each row's
+``before_us``). An existing table at --out is updated, not replaced, and keeps its notes.
 """
 
 from __future__ import annotations
@@ -192,8 +193,9 @@ def time_config(dtype: str, cfg: Config, sets: list, copies: int) -> float:
 
 
 def tune_shape(dtype: str, bucket: int, N: int, K: int, l2_bytes: int, log, grid: str = "base") -> tuple[dict, Config]:
-    """us of every candidate at one (dtype, bucket, N, K), ``{Config: us}``, and the config the
-    launch takes there today (timed too: how much the new row gains)."""
+    """us of every candidate at one (dtype, bucket, N, K), ``{Config: us}``, and the kernel config
+    that ``select_config`` gives there today, timed among them (what the new row gains over it;
+    kept if still the fastest)."""
     M = bucket_m(bucket)
     torch_dtype = torch.int8 if dtype.startswith("int8") else torch.float8_e4m3fn
     current = select_config(M, N, K, torch_dtype, torch.device("cuda"), dtype == "int8_azp")
@@ -339,7 +341,8 @@ def main(argv=None) -> int:
                 log(f"{done}/{todo} {dtype} M={bucket_m(bucket)} N={N} K={K}: {results[best]:.1f} us "
                     f"({results.get(base, math.nan) / results[best]:.2f}x faster than the built-in default"
                     + (f", unsplit {row['unsplit_us']} us" if "unsplit_us" in row else "")
-                    + f"; the table's config before: {row['before_us']} us) {best}")
+                    + (f"; the table's config before: {row['before_us']} us" if row["before_us"] else "")
+                    + f") {best}")
             default, score = pick_default(bucket, per_shape, args.grid)
             log(f"default {table_key(dtype, bucket)}: {default} ({score:.3f}x the per-shape best, geomean)"
                 + (" (not written: --keep-defaults)" if args.keep_defaults else ""))

@@ -82,6 +82,7 @@ def test_variants_are_timed_in_alternating_rounds(monkeypatch):
     (["--variants", "fp8"], "CUDA graphs and the fp8 variants need a CUDA GPU"),
     (["--profile-compile", "/no/such/dir"], "--profile-compile /no/such/dir: no such directory"),
     (["--variants", "bf16,int8", "--guard-filter", "skip-nn-modules"], "--guard-filter times one variant per process"),
+    (["--guard-filter", "skip-prepared-values"], "needs a variant that fusepass.prepare converts"),
 ])
 def test_bad_flags(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
@@ -99,6 +100,11 @@ def test_plot_takes_each_cells_last_run(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.axes.Axes, "bar", lambda self, xs, heights, *a, **k: drawn.append(list(heights)))
     bench.plot(rows, str(tmp_path / "p.png"))
     assert drawn == [[1.25]] and (tmp_path / "p.png").stat().st_size > 0
+    # a later run without a bf16 row to compare with (one variant per process) takes no bar's place
+    drawn.clear()
+    bench.plot(rows + [{"run": "c", "layers": 2, "variant": "int8", "mode": "graphs", "step": "b1", "step_ms": 0.5}],
+               str(tmp_path / "p.png"))
+    assert drawn == [[1.25]]
 
 
 def test_more_variants_than_dynamos_recompile_limit_all_compile(monkeypatch):
@@ -138,8 +144,8 @@ def test_caches_too_big_together_are_timed_one_variant_after_another(monkeypatch
 
 
 def test_kernel_table_splits_the_idle_time_by_the_kernel_that_waited():
-    # two steps of: gemm [0, 10), quant [13, 14) (idle 3), a copy overlapping the gemm [5, 12)
-    # (no idle: the GPU was busy), then the next step's gemm at 20 (idle 6 after the quant)
+    # two steps of: gemm [0, 10), a copy overlapping it [5, 12) (no idle: the GPU was busy),
+    # quant [13, 14) (idle 1, after the copy), then the next step's gemm at 20 (idle 6)
     step = [("gemm", 0.0, 10.0), ("copy", 5.0, 12.0), ("quant", 13.0, 14.0)]
     kernels = step + [(name, start + 20, end + 20) for name, start, end in step]
     lines = bench.kernel_table(kernels, calls=2).splitlines()
@@ -164,6 +170,10 @@ def test_a_guard_filter_reaches_torch_compile_and_the_rows(monkeypatch):
     assert seen[0]["options"]["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
     assert "mode" not in seen[0] and rows[0]["guard_filter"] == "skip-nn-modules"
     assert "| bf16 (skip-nn-modules) | default | b1 |" in bench.report(rows)
+    # CUDA graphs: the mode's own options, beside the filter (torch.compile takes a mode or options)
+    model = torch.nn.Linear(2, 2)
+    bench._compiled(model, "bf16", "graphs", "skip-nn-modules")
+    assert seen[-1]["options"]["triton.cudagraphs"] is True and "guard_filter_fn" in seen[-1]["options"]
 
 
 def test_measuring_filters_drop_one_kind_of_guard_under_the_modules():
@@ -177,12 +187,20 @@ def test_measuring_filters_drop_one_kind_of_guard_under_the_modules():
                Entry(name="L['self']._modules['q'].lo", guard_type="CONSTANT_MATCH"),
                Entry(name="L['self']._modules['q']._buffers['weight']", guard_type="DUPLICATE_INPUT"),
                Entry(name="L['self']._modules['norm'].eps", guard_type="CONSTANT_MATCH"),
+               Entry(name="L['args'][0]._modules['layers']._modules['0']._modules['q'].hi", guard_type="CONSTANT_MATCH"),
+               Entry(name="L['args'][0]._modules['layers']._modules['0']._modules['k'].hi", guard_type="CONSTANT_MATCH"),
+               Entry(name="L['args'][0]._modules['layers']._modules['0']._modules['v']._modules['q'].hi",
+                     guard_type="CONSTANT_MATCH"),  # a module named q, not the top-level one
                Entry(name="L['input_ids']", guard_type="TENSOR_MATCH")]
     model = torch.nn.Module()
     joint = Joint(torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
     model.q, model.norm = W8A8Linear(joint, 0, 4, Act("int8")), torch.nn.Identity()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].q, model.layers[0].k = W8A8Linear(joint, 0, 2, Act("int8")), torch.nn.Linear(8, 2)
+    model.layers[0].v = torch.nn.Module()
+    model.layers[0].v.q = torch.nn.Linear(8, 2)
     keep = {name: bench.GUARD_FILTERS[name](model)(entries) for name in bench.GUARD_FILTERS if name != "skip-nn-modules"}
-    assert keep == {"skip-module-tensors": [False, True, False, True, True],
-                    "skip-module-values": [True, False, True, False, True],
-                    "skip-duplicate-inputs": [True, True, False, True, True],
-                    "skip-prepared-values": [True, False, True, True, True]}
+    assert keep == {"skip-module-tensors": [False, True, False, True, True, True, True, True],
+                    "skip-module-values": [True, False, True, False, False, False, False, True],
+                    "skip-duplicate-inputs": [True, True, False, True, True, True, True, True],
+                    "skip-prepared-values": [True, False, True, True, False, True, True, True]}

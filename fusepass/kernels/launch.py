@@ -13,10 +13,11 @@ dispatch, no input check and no table lookup per call. With a static M the confi
 at trace time; with a symbolic M it is a chain of ``cond`` on ``M <= bucket top``, so one
 compiled graph runs each M on its own bucket's tiles (a host-side ``if`` in the wrapper).
 
-Either way a launch takes three steps: the config (``select_config``, or ``bucket_choices``
-and ``_by_m`` for a symbolic M; cuBLAS above FP8_CUBLAS_ABOVE_M for fp8), the plan (``plan``:
-kernel, grid and constexprs, from sizes and layouts alone) and the launch (``_run``, through
-``direct.launcher``: a ``DirectLauncher`` eagerly, a ``wrap_triton`` node traced).
+Either way a kernel launch takes three steps: the config (``select_config``, or
+``bucket_choices`` and ``_by_m`` where a size is symbolic; above FP8_CUBLAS_ABOVE_M an fp8
+product may go to cuBLAS instead), the plan (``plan``: kernel, grid and constexprs, from sizes
+and layouts alone) and the launch (``_run``, through ``direct.launcher``: a ``DirectLauncher``
+eagerly, the kernel itself under the interpreter, a ``wrap_triton`` node traced).
 """
 
 from __future__ import annotations

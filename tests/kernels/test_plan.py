@@ -1,5 +1,8 @@
 """``launch.plan``: which kernel, grid and constexprs a config gets for given operands, decided
-without launching or allocating (fake CUDA tensors on a pretend sm90 GPU, no GPU needed)."""
+without launching or allocating (fake CUDA tensors on a pretend sm90 GPU of Hopper's SMs and
+shared memory, whatever GPU the host has, if any)."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -9,6 +12,12 @@ from fusepass.kernels import launch
 from fusepass.kernels.configs import DEFAULT_SMS, Config
 from fusepass.kernels.persistent import scaled_mm_persistent_kernel
 from fusepass.kernels.scaled_mm import scaled_mm_kernel
+
+@pytest.fixture(autouse=True)
+def hopper(monkeypatch):
+    monkeypatch.setattr(launch, "sm_count", lambda device: DEFAULT_SMS)
+    monkeypatch.setattr(launch, "shared_memory", lambda device: launch.HOPPER_SHARED_MEMORY)
+
 
 FLAGS = dict(SCALE_A_PER_TOKEN=True, SCALE_B_PER_CHANNEL=True, HAS_BIAS=False, AZP=0, RAW_ACC=False)
 
@@ -39,7 +48,7 @@ PERSISTENT = Config(128, 128, 128, num_warps=8, num_stages=4, tma=True, persiste
 def test_persistent_plan_takes_one_program_per_tile_up_to_the_sms(sm90):
     a, b, out = _operands(256, 512, 4096)
     p = launch.plan(PERSISTENT, FLAGS, a, b, out, fake=True)
-    assert p.persistent and p.tma and p.grid == (2 * 4,) and p.split_k == 1
+    assert p.kernel is scaled_mm_persistent_kernel and p.tma and p.grid == (2 * 4,) and p.split_k == 1
     assert p.constexprs["NUM_SMS"] == DEFAULT_SMS and "SPLIT_K" not in p.constexprs
     a, b, out = _operands(8192, 8192, 4096)
     assert launch.plan(PERSISTENT, FLAGS, a, b, out, fake=True).grid == (DEFAULT_SMS,)
@@ -60,12 +69,12 @@ def test_persistent_plan_with_a_symbolic_m_launches_one_program_per_sm():
 
 def test_persistent_falls_back_to_the_tile_kernel(sm90):
     a, b, out = _operands(256, 512, 4096)
-    # a strided a: no TMA, so neither kernel of TMA; the tile kernel with pointer loads
+    # a strided a: no TMA loads, so no persistent kernel: the tile kernel with pointer loads
     strided = torch.empty_strided((256, 4096), (8192, 2), dtype=torch.int8, device="cuda")
     p = launch.plan(PERSISTENT, FLAGS, strided, b, out, fake=True)
     assert p.kernel is scaled_mm_kernel and not p.tma and p.constexprs["USE_TMA"] is False
     # split along K: the tile kernel with TMA loads
-    p = launch.plan(PERSISTENT.__class__(**{**PERSISTENT.as_dict(), "split_k": 2}), FLAGS, a, b, out, fake=True)
+    p = launch.plan(replace(PERSISTENT, split_k=2), FLAGS, a, b, out, fake=True)
     assert p.kernel is scaled_mm_kernel and p.tma and p.grid == (2 * 4, 2)
 
 
