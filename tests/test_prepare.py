@@ -184,6 +184,61 @@ def test_prepared_model_keeps_its_quantized_dtypes_through_to_dtype(bf16_model):
         assert model(models.prompt(bf16_model, 1, 4, seed=5)).logits.dtype == torch.float16
 
 
+def _sibling_linears(n: int, act: Act) -> nn.Module:
+    from fusepass.integrations.linear import Joint, W8A8Linear
+
+    joint = Joint(torch.randint(-128, 128, (4 * n, 8), dtype=torch.int8), torch.rand(4 * n) / 100)
+    return nn.ModuleList([W8A8Linear(joint, 4 * i, 4 * i + 4, act) for i in range(n)])
+
+
+def test_a_modules_act_is_guarded_once_per_distinct_act_not_per_module():
+    """Dynamo guards each value a forward reads once per source: the Act is read from the
+    module-level table, so its guards do not grow with the number of modules."""
+    def guards(n):
+        names = []
+
+        def record(entries):
+            names.extend(e.name for e in entries)
+            return [True] * len(entries)
+        linears = _sibling_linears(n, Act("int8"))
+        fn = torch.compile(lambda x: [m(x) for m in linears], backend="eager", options={"guard_filter_fn": record})
+        fn(torch.randn(2, 8))
+        return names
+    one, three = guards(1), guards(3)
+    assert not [name for name in three if ".act" in name.replace(".act_index", "")]
+    assert sum("ACTS" in name for name in three) == sum("ACTS" in name for name in one) > 0
+
+
+def test_a_new_act_does_not_recompile_the_models_compiled_before_it():
+    from fusepass.integrations import linear
+
+    linears = _sibling_linears(2, Act("int8", divisor=126.0))
+    frames = []
+    fn = torch.compile(lambda x: [m(x) for m in linears], backend=lambda gm, ex: frames.append(gm) or gm.forward)
+    x = torch.randn(2, 8)
+    fn(x)
+    _sibling_linears(1, Act("int8", divisor=125.0))  # another model's scheme, after the compile
+    fn(x)
+    assert len(frames) == 1 and Act("int8", divisor=125.0) in linear.ACTS
+
+
+def test_a_prepared_module_pickles_with_its_act(monkeypatch):
+    import copy
+    import pickle
+
+    from fusepass.integrations import linear
+
+    model = _sibling_linears(2, Act("int8", divisor=127.0))
+    x = torch.randn(3, 8)
+    expected = [m(x) for m in model]
+    data = pickle.dumps(model)
+    monkeypatch.setattr(linear, "ACTS", [Act("fp8"), None])  # another process: other Acts, in another order
+    loaded = pickle.loads(data)
+    assert [m.act for m in loaded] == [Act("int8", divisor=127.0)] * 2 and loaded[0].act_index == 1
+    assert all(torch.equal(a, b) for a, b in zip([m(x) for m in loaded], expected))
+    assert copy.deepcopy(loaded)[1].act == Act("int8", divisor=127.0)
+
+
 def test_act_kind_checked():
     with pytest.raises(ValueError, match="Act.kind must be one of"):
         Act("int4")

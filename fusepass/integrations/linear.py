@@ -78,6 +78,26 @@ def quantize_rows(x: torch.Tensor, act: Act):
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale, None
 
 
+# Every distinct Act of this process, once. A module holds its Act's index here, not the Act:
+# Dynamo guards each value a forward reads, once per source, so ``self.act.kind`` is a guard
+# per module and ``ACTS[self.act_index].kind`` one per distinct Act. A 32-layer prepared int8
+# Llama's compiled call (a stand-in for the graph; 2-core CPU, torch 2.13): 0.41 -> 0.34 ms,
+# bf16's 0.27 (benchmarks/NOTES.md, run 22). The slots are there from the start: Dynamo also
+# guards the list's length, and a new Act filling a free slot must not recompile the models
+# compiled before it (past the last slot the list grows, and they recompile once).
+ACTS: list[Act | None] = [None] * 64
+
+
+def act_index(act: Act) -> int:
+    """``act``'s place in ACTS (taking a free slot if new)."""
+    if act not in ACTS:
+        if None in ACTS:
+            ACTS[ACTS.index(None)] = act
+        else:
+            ACTS.append(act)
+    return ACTS.index(act)
+
+
 class Joint(nn.Module):
     """The weights of one or more sibling linears, rows in order:
     ``weight`` (N, K) int8 / fp8, ``weight_scale`` (N,) fp32 (``fp8-block``: (N / 128, K / 128),
@@ -109,19 +129,35 @@ class W8A8Linear(nn.Module):
     def __init__(self, joint: Joint, lo: int, hi: int, act: Act):
         super().__init__()
         self.joint = joint  # (shared by the siblings: one graph input for all of them)
-        self.lo, self.hi, self.act = lo, hi, act
+        self.lo, self.hi, self.act_index = lo, hi, act_index(act)
         self.in_features, self.out_features = joint.weight.shape[1], hi - lo
+
+    @property
+    def act(self) -> Act:
+        return ACTS[self.act_index]
+
+    def __getstate__(self):  # pickled with the Act itself: another process has other ACTS
+        state = dict(self.__dict__)
+        state["act"] = ACTS[state.pop("act_index")]
+        return state
+
+    def __setstate__(self, state):
+        state = dict(state)
+        state["act_index"] = act_index(state.pop("act"))
+        super().__setstate__(state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         j, lo, hi = self.joint, self.lo, self.hi
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        q, scale, zp = quantize_rows(x2, self.act)
+        act = ACTS[self.act_index]
+        q, scale, zp = quantize_rows(x2, act)
         w = j.weight[lo:hi].t()  # (K, N), column-major
         bias = None if j.bias is None else j.bias[lo:hi]
-        if self.act.kind == "fp8-block":
-            y = self._blockwise(q, scale, w, bias, x.dtype)
+        if act.kind == "fp8-block":
+            y = W8A8Linear._blockwise(self, q, scale, w, bias, x.dtype)
         elif torch.compiler.is_compiling():
-            y = self._dequantized(q, scale, zp, w, bias, x.dtype)
+            # (through the class: a method looked up on the instance is one more guard a module)
+            y = W8A8Linear._dequantized(self, q, scale, zp, w, bias, x.dtype)
         elif zp is None:
             y = torch.ops.fusepass.scaled_mm(q, w, scale, j.weight_scale[lo:hi], x.dtype, bias)
         else:
