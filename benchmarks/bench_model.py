@@ -465,9 +465,8 @@ def plot(rows: list[dict], path: str) -> None:
     depths = sorted({r["layers"] for r in rows})
     fig, axes = plt.subplots(1, len(depths), figsize=(6 * len(depths), 4), squeeze=False)
     for ax, depth in zip(axes[0], depths, strict=True):
-        cells = [(f"{r['step']}\n{r['mode']}", _name(r), bf16[k] / r["step_ms"])
-                 for r in rows if r["layers"] == depth and "step_ms" in r and r["variant"] != "bf16"
-                 and (k := (r["run"], r["layers"], r["mode"], r["step"])) in bf16]
+        cells = [(f"{r['step']}\n{r['mode']}", _name(r), bf16[r["run"], r["layers"], r["mode"], r["step"]] / r["step_ms"])
+                 for r in rows if r["layers"] == depth and r["variant"] != "bf16"]
         labels = list(dict.fromkeys(c[0] for c in cells))
         names = list(dict.fromkeys(c[1] for c in cells))
         width = 0.8 / max(len(names), 1)
