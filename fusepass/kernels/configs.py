@@ -43,6 +43,8 @@ class Config:
     # With tma and split_k 1: the persistent kernel (persistent.py: one program per SM, TMA
     # stores) where TMA can also write the output; else scaled_mm_kernel with these tiles.
     persistent: bool = False
+    # M = 1 only: the CUDA-core kernel (gemv.py), block_n rows of b.T a program (gemv_config).
+    gemv: bool = False
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -177,6 +179,18 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
     if split_decode or top is None or top > DERIVED_SPLIT_MAX_M:
         return cfg
     return replace(cfg, split_k=1)
+
+
+# M = 1 with a K-contiguous b (``w.t()``): gemv.py's kernel, unsplit. H200, int8, Llama-3-8B's
+# four decode shapes: 8 rows of 1024 bytes a program, unsplit, took 68.7 us a layer against the
+# tuned tile kernel's 85.2 (0.99-1.04x each shape's best unsplit tiles of 108 (block_n,
+# block_k, split, warps) probed; benchmarks/NOTES.md, run 23).
+GEMV = Config(block_m=1, block_n=8, block_k=1024, num_warps=4, num_stages=3, gemv=True)
+
+
+def gemv_config(K: int) -> Config:
+    """The M = 1 kernel's config for a reduction of ``K`` (a short K: one shorter block)."""
+    return replace(GEMV, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
 
 
 def merge_buckets(choices) -> list:

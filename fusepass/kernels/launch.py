@@ -31,8 +31,10 @@ import triton
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .._compat import cond_op, inductor_config, is_fake, triton_allocator_unset
-from .configs import Config, bucket_choices, cdiv, device_arch, device_properties, select_config, sm_count
+from .configs import (Config, bucket_choices, cdiv, device_arch, device_properties, gemv_config, select_config,
+                      sm_count)
 from .direct import launcher, record, record_call, split_scratch
+from .gemv import scaled_gemv_kernel
 from .persistent import scaled_mm_persistent_kernel
 from .scaled_mm import scaled_mm_kernel
 
@@ -81,6 +83,13 @@ def tma_allowed(a: torch.Tensor, b: torch.Tensor, fake: bool = False) -> bool:
         statically_known_true(a.stride(1) == 1) and statically_known_true(b.stride(0) == 1)
         and _aligned(a, a.stride(0), fake) and _aligned(b, b.stride(1), fake)
     )
+
+
+def gemv_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """gemv.py's kernel takes one row of ``a`` and a ``b`` whose columns are contiguous along
+    K (``w.t()``), K a number (its block is sized to it)."""
+    return (statically_known_true(a.shape[0] == 1) and statically_known_true(b.stride(0) == 1)
+            and is_concrete_int(a.shape[1]))
 
 
 def _traced(t: torch.Tensor) -> bool:
@@ -231,7 +240,7 @@ class Plan:
     sizes and layouts alone: the kernel, its grid and compile-time arguments, and what it
     needs beside its operands. ``_run`` carries it out, eagerly or traced alike."""
 
-    kernel: object  # scaled_mm_kernel, or scaled_mm_persistent_kernel
+    kernel: object  # scaled_mm_kernel, scaled_mm_persistent_kernel or scaled_gemv_kernel
     grid: tuple
     constexprs: dict  # the epilogue's flags, the tiling, and the kernel's own switches
     split_k: int = 1  # > 1: (split_k, M, N) partial slices and a zeroed ticket per tile
@@ -241,13 +250,26 @@ class Plan:
     def persistent(self) -> bool:
         return self.kernel is scaled_mm_persistent_kernel
 
+    @property
+    def gemv(self) -> bool:
+        return self.kernel is scaled_gemv_kernel
+
 
 def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, fake: bool) -> Plan:
     """The launch of ``cfg`` for ``a @ b`` into ``out`` (``flags``: the epilogue's constexprs):
     TMA where ``cfg`` asks for it and the layouts allow it; the persistent kernel where ``cfg``
     asks for it, TMA can also store ``out`` and two stages fit in shared memory (else the tile
-    kernel with the same tiles). Launches nothing and allocates nothing."""
+    kernel with the same tiles); the M = 1 kernel where ``cfg.gemv`` (ValueError where
+    ``gemv_allowed`` does not hold). Launches nothing and allocates nothing."""
     M, N = a.shape[0], b.shape[1]
+    if cfg.gemv:
+        if not gemv_allowed(a, b) or cfg.split_k != 1:
+            raise ValueError(f"a gemv config needs M = 1, b contiguous along K and split_k 1, got a "
+                             f"{tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
+        constexprs = {**flags, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
+                      "EVEN_K": statically_known_true(a.shape[1] % cfg.block_k == 0),
+                      "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),), constexprs)
     tma = cfg.tma and tma_allowed(a, b, fake)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -283,6 +305,8 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     partial = tickets = None
     if p.persistent:
         args = (*operands, M, N, K, a.stride(0), b.stride(1), out.stride(0))
+    elif p.gemv:
+        args = (*operands, N, K, a.stride(1), b.stride(1), out.stride(1))
     else:
         acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
         partial, tickets = split_k_buffers(p.split_k, p.grid[0], M, N, acc_dtype, a.device, fake)
@@ -421,7 +445,9 @@ def launch_scaled_mm(
         config = CUBLAS
     elif config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
         split = decode_splits(fake, symbolic_m=False)
-        config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split)
+        # (M = 1 is never symbolic: Dynamo specializes sizes 0 and 1, so only here)
+        config = (gemv_config(int(K)) if gemv_allowed(a, b) else
+                  select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split))
     # cond takes tensors only: the None arguments stay in the closure, by position.
     args = (a, b, scale_a, scale_b, bias, azp_adj, azp)
     present = [i for i, t in enumerate(args) if t is not None]

@@ -1,0 +1,73 @@
+"""The fused W8A8 product of one row of activations (M = 1: decode at batch 1), on CUDA
+cores: the same epilogue as ``scaled_mm_kernel``'s, a different main loop.
+
+    out[0, n] = scale_a * scale_b[n] * (sum_k a[0, k] * b[k, n] - azp * azp_adj[n]) + bias[n]
+
+At M = 1 a tensor-core tile wastes 15 of its 16 rows, and the loads of ``b`` are what the
+step waits for. Here each program reads ``BLOCK_N`` whole rows of ``b.T`` (``b``'s columns,
+contiguous along K: ``w.t()`` of a row-major weight) ``BLOCK_K`` bytes at a time and
+reduces them against the activation row in registers (int8 products summed exactly in int32;
+fp8 ones, exact in fp32, summed in fp32). H200, Llama-3-8B's four decode shapes (q/k/v
+6144x4096, o 4096x4096, gate/up 28672x4096, down 4096x14336), int8, each in a CUDA graph
+with weights rotating past L2: 64.3 us a layer against the tuned tile kernel's 86.5
+(benchmarks/NOTES.md, run 23, where the tiles below were picked).
+
+K is not split: the same four shapes took 68.7 us a layer unsplit and 80.5 in two slices
+(``split_k_sum``'s partial buffer and ticket), and an op call then also needs its tickets
+zeroed, a memset launch (84.9). Ragged N reads row 0 again (results masked at the store),
+ragged K is masked with zeros. Offsets along K are 32-bit: K < 2**31.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .scaled_mm import _epilogue
+
+
+@triton.jit
+def scaled_gemv_kernel(
+    # Operands
+    a_ptr, b_ptr, out_ptr,  # (1, K), (K, N) with unit stride along K, (1, N)
+    scale_a_ptr, scale_b_ptr,  # (1,), (N,) or (1,); fp32, bf16 or fp16
+    bias_ptr, azp_adj_ptr, azp_ptr,  # (N,), (N,), (1,); None when unused
+    # Sizes and strides
+    N, K,
+    stride_ak, stride_bn, stride_on,
+    # Epilogue variant (as scaled_mm_kernel's)
+    SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
+    # Tiling
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
+):
+    pid_n = tl.program_id(0)
+
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_n = tl.where(cols < N, cols, 0).to(tl.int64)  # ragged N: row 0 again, masked at the store
+    row_starts = b_ptr + offs_n * stride_bn  # (BLOCK_N,): the rows of b.T
+    is_int8: tl.constexpr = a_ptr.dtype.element_ty == tl.int8
+    acc_dtype: tl.constexpr = tl.int32 if is_int8 else tl.float32
+    acc = tl.zeros((BLOCK_N,), dtype=acc_dtype)
+    # The addresses are computed afresh each block, as offsets known to be contiguous and
+    # BLOCK_K-aligned (16-byte vector loads).
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+        if EVEN_K:
+            w = tl.load(row_starts[:, None] + offs_k[None, :])  # (BLOCK_N, BLOCK_K)
+            x = tl.load(a_ptr + offs_k * stride_ak)
+        else:
+            # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
+            w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+            x = tl.load(a_ptr + offs_k * stride_ak, mask=offs_k < K, other=0.0)
+        acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
+
+    # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
+    rows = tl.zeros((1,), dtype=tl.int64)
+    x = _epilogue(
+        acc[None, :], rows, offs_n,
+        scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+        SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,
+    )
+    tl.store(out_ptr + cols[None, :] * stride_on, x.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)

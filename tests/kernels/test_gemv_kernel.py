@@ -1,0 +1,84 @@
+"""The M = 1 kernel (``gemv.py``; Triton's interpreter on CPU, the GPU when there is one)
+against the float64 oracle over every epilogue variant and ragged shape, and when the launch
+takes it."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fusepass.kernels import launch, launch_scaled_mm
+from fusepass.kernels.configs import GEMV, Config, gemv_config
+from fusepass.kernels.gemv import scaled_gemv_kernel
+from fusepass.kernels.scaled_mm import scaled_mm_kernel
+from tests.helpers import assert_matches_oracle, make_problem
+from tests.kernels.test_plan import FLAGS, _operands
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16_ULPS = 1.0 if DEVICE == "cpu" else 0.0  # (the interpreter rounds to bf16 toward zero)
+
+# N ragged over BLOCK_N, K below one block, K ragged over several blocks, K a multiple of the
+# block (unmasked loop).
+SHAPES = [(17, 33), (100, 1000), (64, 2048), (24, 4096 + 512)]
+VARIANTS = [
+    dict(sa_shape=(), sb_shape=()),
+    dict(sb_shape=(1, 1), bias_dtype=torch.bfloat16),
+    dict(bias_dtype=torch.float32),
+    dict(azp="tensor", bias_dtype=torch.float32),
+    dict(azp="token"),
+]
+
+
+def _run(p, out_dtype, config):
+    return launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, out_dtype, p.bias, p.azp_adj, p.azp, config=config)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("N,K", SHAPES)
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+@pytest.mark.parametrize("block_k", [512, 1024])
+def test_gemv_matches_the_oracle(dtype, N, K, variant, block_k):
+    if dtype != torch.int8 and "azp" in VARIANTS[variant]:
+        pytest.skip("zero points are int8's")
+    p = make_problem(1, N, K, dtype, device=DEVICE, seed=variant, **VARIANTS[variant])
+    cfg = gemv_config(K)
+    out = _run(p, torch.bfloat16, Config(**{**cfg.as_dict(), "block_k": min(cfg.block_k, block_k)}))
+    assert_matches_oracle(out, p, torch.bfloat16, extra_ulps=BF16_ULPS)
+
+
+def test_gemv_int32_accumulator_is_exact():
+    p = make_problem(1, 40, 3000, device=DEVICE)
+    out = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=gemv_config(3000))
+    assert torch.equal(out.cpu(), (p.a.double() @ p.b.double()).to(torch.int32).cpu())
+
+
+def test_one_row_with_a_weight_as_stored_takes_the_gemv(sm90):
+    a, b, out = _operands(1, 4096, 14336)
+    p = launch.plan(gemv_config(14336), FLAGS, a, b, out, fake=True)
+    assert p.kernel is scaled_gemv_kernel and p.gemv and p.grid == (4096 // GEMV.block_n,) and p.split_k == 1
+    assert p.constexprs == {**FLAGS, "BLOCK_N": 8, "BLOCK_K": 1024, "EVEN_K": True, "num_warps": 4, "num_stages": 3}
+
+
+def test_the_launch_picks_the_gemv_for_one_row_of_a_weight_as_stored(monkeypatch):
+    plans = []
+    real = launch.plan
+    monkeypatch.setattr(launch, "plan", lambda *args: plans.append(real(*args)) or plans[-1])
+    for M in (1, 2):
+        p = make_problem(M, 24, 256, device=DEVICE)
+        assert_matches_oracle(_run(p, torch.bfloat16, None), p, torch.bfloat16, extra_ulps=BF16_ULPS)
+    row_major = make_problem(1, 24, 256, device=DEVICE)
+    row_major.b = row_major.b.contiguous()  # (K, N) with N contiguous: rows of b.T are strided
+    assert_matches_oracle(_run(row_major, torch.bfloat16, None), row_major, torch.bfloat16, extra_ulps=BF16_ULPS)
+    assert [p.kernel for p in plans] == [scaled_gemv_kernel, scaled_mm_kernel, scaled_mm_kernel]
+
+
+def test_a_short_k_takes_one_shorter_block():
+    assert gemv_config(4096) == GEMV and gemv_config(100) == Config(1, 8, 128, num_warps=4, num_stages=3, gemv=True)
+
+
+@pytest.mark.parametrize("M,split_k,row_major", [(2, 1, False), (1, 2, False), (1, 1, True)])
+def test_a_gemv_config_refuses_what_its_kernel_cannot_run(sm90, M, split_k, row_major):
+    a, b, out = _operands(M, 64, 256)
+    b = torch.empty((256, 64), dtype=torch.int8, device="cuda") if row_major else b  # (K, N), N contiguous
+    with pytest.raises(ValueError, match="a gemv config needs M = 1, b contiguous along K and split_k 1"):
+        launch.plan(replace(gemv_config(256), split_k=split_k), FLAGS, a, b, out, fake=True)
