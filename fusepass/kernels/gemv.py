@@ -9,10 +9,10 @@ contiguous along K: ``w.t()`` of a row-major weight) ``BLOCK_K`` bytes at a time
 reduces them against the activation row in registers (int8 products summed exactly in int32;
 fp8 ones, exact in fp32, summed in fp32). H200, Llama-3-8B's four decode shapes (q/k/v
 6144x4096, o 4096x4096, gate/up 28672x4096, down 4096x14336), int8, each in a CUDA graph
-with weights rotating past L2: 64.3 us a layer against the tuned tile kernel's 86.5
-(benchmarks/NOTES.md, run 23, where the tiles below were picked).
+with weights rotating past L2: 71.0 us a layer through the op against the tuned tile
+kernel's 82.6, timed in turns (benchmarks/NOTES.md, run 23, where the tiles were picked).
 
-K is not split: the same four shapes took 68.7 us a layer unsplit and 80.5 in two slices
+K is not split: in one probe the four shapes took 68.7 us a layer unsplit and 80.5 in two slices
 (``split_k_sum``'s partial buffer and ticket), and an op call then also needs its tickets
 zeroed, a memset launch (84.9). Ragged N reads row 0 again (results masked at the store),
 ragged K is masked with zeros. Offsets along K are 32-bit: K < 2**31.
