@@ -223,10 +223,19 @@ def test_eager_split_k_hands_its_counters_back_zeroed():
 
 
 @pytest.mark.gpu
-def test_eager_split_k_in_a_stream_capture_keeps_its_own_counters():
+def _split_row():
+    """A problem whose eager op call splits K: M = 1 of a tuned split row, its weight stored
+    (K, N) (a w.t() would take the unsplit M = 1 kernel, gemv.py)."""
     p = make_problem(1, 4096, 14336, device="cuda", bias_dtype=torch.bfloat16)
+    p.b = p.b.contiguous()
+    assert launch.select_config(1, 4096, 14336, torch.int8, p.a.device).split_k > 1
+    assert not launch.gemv_allowed(p.a, p.b)
+    return p
+
+
+def test_eager_split_k_in_a_stream_capture_keeps_its_own_counters():
+    p = _split_row()
     args = (p.a, p.b, p.scale_a, p.scale_b, torch.bfloat16, p.bias)
-    assert launch.select_config(1, 4096, 14336, torch.int8, p.a.device).split_k > 1  # (a tuned split row)
     fusepass.scaled_mm(*args)  # compiles, and leaves a repeatable launch
     before = {k: {n: t.data_ptr() for n, t in kept.items()} for k, kept in direct._SCRATCH.items()}
     graph = torch.cuda.CUDAGraph()
@@ -234,8 +243,7 @@ def test_eager_split_k_in_a_stream_capture_keeps_its_own_counters():
         out = fusepass.scaled_mm(*args)
     assert {k: {n: t.data_ptr() for n, t in kept.items()} for k, kept in direct._SCRATCH.items()} == before
     for seed in range(3):
-        q = make_problem(1, 4096, 14336, device="cuda", bias_dtype=torch.bfloat16, seed=seed + 1)
-        p.a.copy_(q.a)
+        p.a.copy_(make_problem(1, 4096, 14336, device="cuda", seed=seed + 1).a)
         graph.replay()
         assert torch.equal(out, fusepass.scaled_mm(*args))
     assert _tickets_zero()
@@ -243,7 +251,7 @@ def test_eager_split_k_in_a_stream_capture_keeps_its_own_counters():
 
 @pytest.mark.gpu
 def test_eager_calls_on_a_side_stream():
-    p = make_problem(1, 4096, 14336, device="cuda", bias_dtype=torch.bfloat16)  # (a tuned split row)
+    p = _split_row()
     args = (p.a, p.b, p.scale_a, p.scale_b, torch.bfloat16, p.bias)
     want = fusepass.scaled_mm(*args)
     side = torch.cuda.Stream()
