@@ -19,7 +19,9 @@ the best time and its unsplit form's time over the best unsplit time (the row's
 ``unsplit_us``). The bucket's default for unseen shapes is the grid's candidate with the best
 geomean over the tuned shapes (``--keep-defaults`` leaves them: for a run over a few added
 shapes). The config the launch takes today is timed as a candidate too (each row's
-``before_us``). An existing table at --out is updated, not replaced, and keeps its notes.
+``before_us``). At M = 1 the launch takes ``kernels/gemv.py``'s kernel where the weight is stored
+(N, K) and wide enough (``configs.gemv_fills``): the M <= 1 rows serve the other layouts and
+narrower weights. An existing table at --out is updated, not replaced, and keeps its notes.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ def bench():
 
 
 @pytest.mark.parametrize("name, family", [
-    ("scaled_mm_kernel", "gemm"), ("nvjet_tst_128x64_64x8_1x1_v_bz_coopB_TNN", "gemm"),
+    ("scaled_mm_kernel", "gemm"), ("scaled_gemv_kernel_0", "gemm"), ("scaled_mm_group_kernel", "gemm"),
+    ("nvjet_tst_128x64_64x8_1x1_v_bz_coopB_TNN", "gemm"),
     ("pytorch_flash::flash_fwd_kernel", "attention"), ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
     ("triton_red_fused_abs_amax_clamp_div_0", "amax/clamp"), ("triton_poi_fused__to_copy_clamp_div_round_1", "amax/clamp"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "zeros/fill"),

@@ -184,13 +184,21 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
 # M = 1 with a K-contiguous b (``w.t()``): gemv.py's kernel, unsplit. H200, int8, Llama-3-8B's
 # four decode shapes: 8 rows of 1024 bytes a program, unsplit, took 71.0 us a layer against the
 # tuned tile kernel's 82.6 (of 108 (block_n, block_k, split, warps) probed, the best split K in
-# two, which through the op's split-K sum cost more than it saved: gemv.py; NOTES.md, run 23).
+# 2-4, which through the op's split-K sum cost more than it saved: gemv.py; NOTES.md, run 23).
+# Those shapes gave 3.9-27 programs a SM; a narrower weight (an unjoined k_proj, N = 1024: 128
+# programs) keeps the tiles, whose split fills the GPU (``gemv_fills``).
 GEMV = Config(block_m=1, block_n=8, block_k=1024, num_warps=4, num_stages=3, gemv=True)
 
 
+@functools.lru_cache(maxsize=None)  # on the eager launch path: 5 us uncached
 def gemv_config(K: int) -> Config:
     """The M = 1 kernel's config for a reduction of ``K`` (a short K: one shorter block)."""
     return replace(GEMV, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
+
+
+def gemv_fills(N: int, device) -> bool:
+    """Whether the M = 1 kernel's programs (unsplit) fill ``device``: DECODE_PROGRAMS_PER_SM a SM."""
+    return cdiv(N, GEMV.block_n) >= DECODE_PROGRAMS_PER_SM * sm_count(device)
 
 
 def merge_buckets(choices) -> list:

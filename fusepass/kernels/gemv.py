@@ -15,7 +15,8 @@ kernel's 82.6, timed in turns (benchmarks/NOTES.md, run 23, where the tiles were
 K is not split: in one probe the four shapes took 68.7 us a layer unsplit and 80.5 in two slices
 (``split_k_sum``'s partial buffer and ticket), and an op call then also needs its tickets
 zeroed, a memset launch (84.9). Ragged N reads row 0 again (results masked at the store),
-ragged K is masked with zeros. Offsets along K are 32-bit: K < 2**31.
+ragged K is masked with zeros. Rows of b.T and ``a``'s strided offsets are 64-bit; offsets
+within a row 32-bit (K < 2**31).
 """
 
 from __future__ import annotations
@@ -56,11 +57,11 @@ def scaled_gemv_kernel(
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         if EVEN_K:
             w = tl.load(row_starts[:, None] + offs_k[None, :])  # (BLOCK_N, BLOCK_K)
-            x = tl.load(a_ptr + offs_k * stride_ak)
+            x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak)
         else:
             # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
             w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
-            x = tl.load(a_ptr + offs_k * stride_ak, mask=offs_k < K, other=0.0)
+            x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
         acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
 
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.

@@ -2,7 +2,8 @@
 and traces into Inductor's graphs alike.
 
 Eager (``torch.ops.fusepass.*`` on real tensors): every size is a number, the config is the
-tuned table's for this M, and the kernels launch through ``direct.DirectLauncher`` (Triton's
+tuned table's for this M (at M = 1 with ``b = w.t()``, ``gemv.py``'s kernel where its programs
+fill the GPU: ``gemv_config``), and the kernels launch through ``direct.DirectLauncher`` (Triton's
 compiled kernels, without its per-call argument binding).
 
 Traced (an op inlined by ``fusepass.passes.lower`` or decomposed by AOTAutograd, as
@@ -13,8 +14,8 @@ dispatch, no input check and no table lookup per call. With a static M the confi
 at trace time; with a symbolic M it is a chain of ``cond`` on ``M <= bucket top``, so one
 compiled graph runs each M on its own bucket's tiles (a host-side ``if`` in the wrapper).
 
-Either way a kernel launch takes three steps: the config (``select_config``, or
-``bucket_choices`` and ``_by_m`` where a size is symbolic; above FP8_CUBLAS_ABOVE_M an fp8
+Either way a kernel launch takes three steps: the config (``select_config`` or ``gemv_config``,
+or ``bucket_choices`` and ``_by_m`` where a size is symbolic; above FP8_CUBLAS_ABOVE_M an fp8
 product may go to cuBLAS instead), the plan (``plan``: kernel, grid and constexprs, from sizes
 and layouts alone) and the launch (``_run``, through ``direct.launcher``: a ``DirectLauncher``
 eagerly, the kernel itself under the interpreter, a ``wrap_triton`` node traced).
@@ -31,8 +32,8 @@ import triton
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .._compat import cond_op, inductor_config, is_fake, triton_allocator_unset
-from .configs import (Config, bucket_choices, cdiv, device_arch, device_properties, gemv_config, select_config,
-                      sm_count)
+from .configs import (Config, bucket_choices, cdiv, device_arch, device_properties, gemv_config, gemv_fills,
+                      select_config, sm_count)
 from .direct import launcher, record, record_call, split_scratch
 from .gemv import scaled_gemv_kernel
 from .persistent import scaled_mm_persistent_kernel
@@ -264,8 +265,8 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
     M, N = a.shape[0], b.shape[1]
     if cfg.gemv:
         if not gemv_allowed(a, b) or cfg.split_k != 1:
-            raise ValueError(f"a gemv config needs M = 1, b contiguous along K and split_k 1, got a "
-                             f"{tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
+            raise ValueError(f"a gemv config needs M = 1, b contiguous along K, a static K and split_k 1, got "
+                             f"a {tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
         constexprs = {**flags, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
                       "EVEN_K": statically_known_true(a.shape[1] % cfg.block_k == 0),
                       "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
@@ -445,8 +446,9 @@ def launch_scaled_mm(
         config = CUBLAS
     elif config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
         split = decode_splits(fake, symbolic_m=False)
-        # (M = 1 is never symbolic: Dynamo specializes sizes 0 and 1, so only here)
-        config = (gemv_config(int(K)) if gemv_allowed(a, b) else
+        # M = 1 only here: Dynamo specializes sizes 0 and 1, so a traced M = 1 is static (an
+        # unbacked or exported M that is 1 at run time takes the tiles of its bucket)
+        config = (gemv_config(int(K)) if gemv_allowed(a, b) and gemv_fills(int(N), a.device) else
                   select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split))
     # cond takes tensors only: the None arguments stay in the closure, by position.
     args = (a, b, scale_a, scale_b, bias, azp_adj, azp)

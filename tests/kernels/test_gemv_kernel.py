@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fusepass.kernels import launch, launch_scaled_mm
+from fusepass.kernels import configs, launch, launch_scaled_mm
 from fusepass.kernels.configs import GEMV, Config, gemv_config
 from fusepass.kernels.gemv import scaled_gemv_kernel
 from fusepass.kernels.scaled_mm import scaled_mm_kernel
@@ -46,6 +46,18 @@ def test_gemv_matches_the_oracle(dtype, N, K, variant, block_k):
     assert_matches_oracle(out, p, torch.bfloat16, extra_ulps=BF16_ULPS)
 
 
+def test_gemv_reads_any_strides_of_a_and_rows_of_a_wider_weight():
+    p = make_problem(1, 40, 700, device=DEVICE, bias_dtype=torch.float32)
+    wide = torch.zeros((40, 900), dtype=torch.int8, device=DEVICE)
+    wide[:, :700] = p.b.t()
+    p.b = wide[:, :700].t()  # rows 900 apart
+    spread = torch.zeros((1, 3 * 700), dtype=torch.int8, device=DEVICE)
+    spread[:, ::3] = p.a
+    p.a = spread[:, ::3]  # a.stride(1) == 3
+    assert p.b.stride() == (1, 900) and p.a.stride(1) == 3
+    assert_matches_oracle(_run(p, torch.float32, gemv_config(700)), p, torch.float32)
+
+
 def test_gemv_int32_accumulator_is_exact():
     p = make_problem(1, 40, 3000, device=DEVICE)
     out = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=gemv_config(3000))
@@ -59,17 +71,19 @@ def test_one_row_with_a_weight_as_stored_takes_the_gemv(sm90):
     assert p.constexprs == {**FLAGS, "BLOCK_N": 8, "BLOCK_K": 1024, "EVEN_K": True, "num_warps": 4, "num_stages": 3}
 
 
-def test_the_launch_picks_the_gemv_for_one_row_of_a_weight_as_stored(monkeypatch):
+def test_the_launch_picks_the_gemv_for_one_row_of_a_wide_weight_as_stored(monkeypatch):
+    """One row of a weight stored (N, K) with at least 2 programs a SM (N >= 2112 on 132 SMs);
+    not two rows, a weight stored (K, N), or a narrow one (the tiles split K there)."""
     plans = []
     real = launch.plan
     monkeypatch.setattr(launch, "plan", lambda *args: plans.append(real(*args)) or plans[-1])
-    for M in (1, 2):
-        p = make_problem(M, 24, 256, device=DEVICE)
-        assert_matches_oracle(_run(p, torch.bfloat16, None), p, torch.bfloat16, extra_ulps=BF16_ULPS)
-    row_major = make_problem(1, 24, 256, device=DEVICE)
+    monkeypatch.setattr(configs, "sm_count", lambda device: configs.DEFAULT_SMS)
+    problems = [make_problem(M, N, 64, device=DEVICE) for M, N in ((1, 2112), (2, 2112), (1, 2104))]
+    row_major = make_problem(1, 2112, 64, device=DEVICE)
     row_major.b = row_major.b.contiguous()  # (K, N) with N contiguous: rows of b.T are strided
-    assert_matches_oracle(_run(row_major, torch.bfloat16, None), row_major, torch.bfloat16, extra_ulps=BF16_ULPS)
-    assert [p.kernel for p in plans] == [scaled_gemv_kernel, scaled_mm_kernel, scaled_mm_kernel]
+    for p in problems + [row_major]:
+        assert_matches_oracle(_run(p, torch.bfloat16, None), p, torch.bfloat16, extra_ulps=BF16_ULPS)
+    assert [p.kernel for p in plans] == [scaled_gemv_kernel] + [scaled_mm_kernel] * 3
 
 
 def test_a_short_k_takes_one_shorter_block():
@@ -80,5 +94,19 @@ def test_a_short_k_takes_one_shorter_block():
 def test_a_gemv_config_refuses_what_its_kernel_cannot_run(sm90, M, split_k, row_major):
     a, b, out = _operands(M, 64, 256)
     b = torch.empty((256, 64), dtype=torch.int8, device="cuda") if row_major else b  # (K, N), N contiguous
-    with pytest.raises(ValueError, match="a gemv config needs M = 1, b contiguous along K and split_k 1"):
+    with pytest.raises(ValueError, match="a gemv config needs M = 1, b contiguous along K, a static K and split_k 1"):
         launch.plan(replace(gemv_config(256), split_k=split_k), FLAGS, a, b, out, fake=True)
+
+
+def test_a_gemv_config_refuses_a_symbolic_k():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.STATIC, DimDynamic.DYNAMIC])
+    a = mode.from_tensor(torch.empty(1, 256, dtype=torch.int8), symbolic_context=dynamic)
+    K = a.shape[1]
+    with mode:
+        b = torch.empty((64, K), dtype=torch.int8).t()
+        with pytest.raises(ValueError, match="a static K"):
+            launch.plan(gemv_config(256), FLAGS, a, b, launch.new_output(a, b, torch.bfloat16), fake=True)
