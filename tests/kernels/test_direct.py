@@ -222,7 +222,6 @@ def test_eager_split_k_hands_its_counters_back_zeroed():
     assert direct._SCRATCH and _tickets_zero()
 
 
-@pytest.mark.gpu
 def _split_row():
     """A problem whose eager op call splits K: M = 1 of a tuned split row, its weight stored
     (K, N) (a w.t() would take the unsplit M = 1 kernel, gemv.py)."""
@@ -233,6 +232,7 @@ def _split_row():
     return p
 
 
+@pytest.mark.gpu
 def test_eager_split_k_in_a_stream_capture_keeps_its_own_counters():
     p = _split_row()
     args = (p.a, p.b, p.scale_a, p.scale_b, torch.bfloat16, p.bias)
