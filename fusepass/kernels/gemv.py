@@ -53,7 +53,7 @@ def scaled_gemv_kernel(
     acc = tl.zeros((BLOCK_N,), dtype=acc_dtype)
     # The addresses are computed afresh each block, as offsets known to be contiguous and
     # BLOCK_K-aligned (16-byte vector loads).
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    for kb in range(tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         if EVEN_K:
             w = tl.load(row_starts[:, None] + offs_k[None, :])  # (BLOCK_N, BLOCK_K)
