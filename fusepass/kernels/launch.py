@@ -263,18 +263,16 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
     kernel with the same tiles); the M = 1 kernel where ``cfg.gemv`` (ValueError where
     ``gemv_allowed`` does not hold). Launches nothing and allocates nothing."""
     M, N = a.shape[0], b.shape[1]
+    even_k = statically_known_true(a.shape[1] % cfg.block_k == 0)
+    tiling = dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.gemv:
         if not gemv_allowed(a, b) or cfg.split_k != 1:
             raise ValueError(f"a gemv config needs M = 1, b contiguous along K, a static K and split_k 1, got "
                              f"a {tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
-        constexprs = {**flags, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k,
-                      "EVEN_K": statically_known_true(a.shape[1] % cfg.block_k == 0),
-                      "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),), constexprs)
+        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),), {**flags, **tiling, "EVEN_K": even_k})
     tma = cfg.tma and tma_allowed(a, b, fake)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    tiling = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tiling.update(BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m)
     persistent = cfg.persistent and tma and cfg.split_k == 1 and _aligned(out, out.stride(0), fake)
     fitted = persistent_stages(cfg, out.element_size(), a.device) if persistent else None
     if fitted is not None:
@@ -283,8 +281,7 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
         grid = (min(sms, tiles) if is_concrete_int(tiles) else sms,)
         return Plan(scaled_mm_persistent_kernel, grid,
                     {**flags, **tiling, "num_stages": fitted.num_stages, "NUM_SMS": sms}, tma=True)
-    constexprs = {**flags, **tiling, "SPLIT_K": cfg.split_k, "USE_TMA": tma,
-                  "EVEN_K": statically_known_true(a.shape[1] % cfg.block_k == 0)}
+    constexprs = {**flags, **tiling, "SPLIT_K": cfg.split_k, "USE_TMA": tma, "EVEN_K": even_k}
     return Plan(scaled_mm_kernel, (tiles, cfg.split_k), constexprs, split_k=cfg.split_k, tma=tma)
 
 
