@@ -14,7 +14,7 @@ import torch
 
 import fusepass
 from fusepass.kernels import launch_scaled_mm
-from fusepass.kernels.configs import Config
+from fusepass.kernels.configs import Config, gemv_config
 from tests.helpers import assert_matches_oracle, make_problem
 
 # M: every bucket and its edges (1100: the persistent kernel's buckets); N and K: below one
@@ -59,10 +59,13 @@ def ops_cases() -> int:
 
 
 def path_cases() -> int:
-    """Each of PATHS forced on every shape, the variants in turn; returns the case count."""
+    """Each of PATHS forced on every shape, the variants in turn, and the M = 1 kernel
+    (``gemv.py``) on every (N, K) in each variant; returns the case count."""
     n = 0
-    for (M, (N, K)), cfg in itertools.product(itertools.product(MS, NK), PATHS):
-        variant = VARIANTS[n % len(VARIANTS)]
+    gemv = [(1, nk, gemv_config(nk[1]), variant) for nk, variant in itertools.product(NK, VARIANTS)]
+    paths = [(M, nk, cfg, VARIANTS[i % len(VARIANTS)])
+             for i, ((M, nk), cfg) in enumerate(itertools.product(itertools.product(MS, NK), PATHS))]
+    for M, (N, K), cfg, variant in paths + gemv:
         p = make_problem(M, N, K, device="cuda", seed=n, **variant)
         out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, p.azp_adj, p.azp, config=cfg)
         torch.cuda.synchronize()
@@ -79,7 +82,8 @@ def main() -> int:
         return 2
     n = (ops_cases() if "ops" in parts else 0) + (path_cases() if "paths" in parts else 0)
     print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} "
-          f"variants through the ops, {len(PATHS)} forced kernel paths)), all match the oracle")
+          f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel on each "
+          f"(N, K) x variant), all match the oracle")
     return 0
 
 

@@ -33,6 +33,20 @@ def test_cells_append_and_report(tmp_path):
     assert [line.split(" | ")[0] for line in ratios] == [f"| {first[0]['run']}", f"| {second[0]['run']}"]
 
 
+def test_the_optimized_fp8_variant_is_a_checkpoint_loaded_back_by_transformers():
+    pytest.importorskip("compressed_tensors")
+    import torch
+
+    base = models.random_llama(SMALL, 32, torch.device("cpu"), 0)
+    model = bench.build("ct-fp8-optimized", base, log=lambda _: None)
+    assert model is not base and model.config.quantization_config.use_optimized_inference
+    ids = models.prompt(base, 1, 8, 0)
+    with torch.no_grad():
+        ref, out = base(ids).logits.float(), model(ids).logits.float()
+    # (on a CPU transformers runs the FP8 checkpoint by its fallback, fake quantization: fp8's error)
+    assert 0 < (out - ref).abs().max() < 0.1 * ref.abs().max()
+
+
 def test_profile_compile_writes_the_first_calls_stats(tmp_path):
     import pstats
 

@@ -5,7 +5,7 @@ stay the checkpoint's own int8 / fp8 values and scales; the activation is quanti
 in the forward, as the source format prescribes (its ``Act``), then one ``fusepass.scaled_mm``
 (or ``scaled_mm_azp``, ``scaled_mm_blockwise``) call does the matmul and its whole epilogue.
 The forward runs in eager (the ops' CPU reference or CUDA kernels), and compiled as forms the
-pass fuses (``_dequantized``); other backends run those forms as written, except asymmetric
+pass fuses (``fusepass::w8a8_linear``, below); other backends run those forms as written, except asymmetric
 activations on CUDA at M <= 16 (``torch._int_mm``'s limit).
 
 Sibling linears of one parent module with the same input width and scheme (a Llama
@@ -149,16 +149,17 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         j, lo, hi = self.joint, self.lo, self.hi
-        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         act = ACTS[self.act_index]
+        if torch.compiler.is_compiling():
+            return torch.ops.fusepass.w8a8_linear(x, j.weight, j.weight_scale, j.colsum, j.bias,
+                                                  lo, hi, act.kind, act.divisor, act.floor)
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         q, scale, zp = quantize_rows(x2, act)
         w = j.weight[lo:hi].t()  # (K, N), column-major
         bias = None if j.bias is None else j.bias[lo:hi]
         if act.kind == "fp8-block":
-            y = W8A8Linear._blockwise(self, q, scale, w, bias, x.dtype)
-        elif torch.compiler.is_compiling():
-            # (through the class: a method looked up on the instance is one more guard a module)
-            y = W8A8Linear._dequantized(self, q, scale, zp, w, bias, x.dtype)
+            blocks = j.weight_scale[lo // BLOCK:hi // BLOCK]  # (N / 128, K / 128)
+            y = torch.ops.fusepass.scaled_mm_blockwise(q, w, scale, blocks.t(), x.dtype, bias)
         elif zp is None:
             y = torch.ops.fusepass.scaled_mm(q, w, scale, j.weight_scale[lo:hi], x.dtype, bias)
         else:
@@ -166,39 +167,45 @@ class W8A8Linear(nn.Module):
                                                  j.colsum[lo:hi], zp, bias)
         return y.reshape(*x.shape[:-1], hi - lo)
 
-    def _dequantized(self, q, scale, zp, w, bias, dtype):
-        """The same product in plain ATen ops: what a compiler sees. Under torch.compile the
-        fusepass ops would be traced into their implementations (they are ``triton_op``s);
-        these forms instead are patterns the pass turns back into one op call with exact
-        integer (or fp8) products, and which ``passes/join.py`` can join with its siblings':
 
-        - symmetric: a float matmul of the dequantized operands (pattern 8), which another
-          backend computes as written (correct, without the fused kernels);
-        - asymmetric: ``_int_mm`` and the zero-point correction with the stored row sums
-          (pattern 5). As a float matmul the pass would sum the weight's columns in the
-          graph, a second read of the weight on every call. Another backend on CUDA needs
-          M > 16 for ``_int_mm`` there."""
-        j = self.joint
-        ws = j.weight_scale[self.lo:self.hi]
-        if zp is None:
-            y = (q.float() * scale) @ (w.float() * ws)
-        else:
-            acc = torch._int_mm(q, w) - zp.unsqueeze(1) * j.colsum[self.lo:self.hi].unsqueeze(0)
-            y = acc.float() * scale * ws
-        return (y if bias is None else y + bias).to(dtype)
+# What a compiler sees of a W8A8Linear: one node, ``fusepass::w8a8_linear``, for Dynamo to
+# trace, where the forward's own ops were about 20 (the per-token quantization and the
+# dequantized product below) against nn.Linear's 2; Dynamo's tracing of a 32-layer int8 Llama
+# took twice bf16's. CompositeImplicitAutograd: AOTAutograd traces the op into the ATen forms
+# below, the graph the pass matches, as if the forward had been traced. Not part of the
+# ops' contract (``docs/OPS.md``): a way to trace, its schema free to change.
+_LIB = torch.library.Library("fusepass", "FRAGMENT")
+_LIB.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? colsum, Tensor? bias, "
+            "int lo, int hi, str kind, float divisor, float floor) -> Tensor")
 
-    def _blockwise(self, q, scale, w, bias, dtype):
-        """``fp8-block``: eagerly the block-wise op; compiled, the dequantized form (pattern
-        10) that the pass turns back into it: activations over 128-wide groups, the weight's
-        scales spread over its 128x128 blocks."""
-        blocks = self.joint.weight_scale[self.lo // BLOCK:self.hi // BLOCK]  # (N / 128, K / 128)
-        if not torch.compiler.is_compiling():
-            return torch.ops.fusepass.scaled_mm_blockwise(q, w, scale, blocks.t(), dtype, bias)
+
+@torch.library.impl(_LIB, "w8a8_linear", "CompositeImplicitAutograd")
+def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor):
+    """Rows [lo, hi) of the joint weight applied to ``x``, in plain ATen ops:
+
+    - symmetric: a float matmul of the dequantized operands (pattern 8), which another
+      backend computes as written (correct, without the fused kernels);
+    - asymmetric: ``_int_mm`` and the zero-point correction with the stored row sums
+      (pattern 5). As a float matmul the pass would sum the weight's columns in the
+      graph, a second read of the weight on every call. Another backend on CUDA needs
+      M > 16 for ``_int_mm`` there;
+    - ``fp8-block``: activations over 128-wide groups, the weight's scales spread over its
+      128x128 blocks (pattern 10).
+
+    The pass turns each back into one op call with exact integer (or fp8) products, and
+    ``passes/join.py`` joins siblings' calls on one activation."""
+    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+    q, scale, zp = quantize_rows(x2, Act(kind, divisor, floor))
+    w = weight[lo:hi].t()  # (K, N)
+    if kind == "fp8-block":
+        blocks = weight_scale[lo // BLOCK:hi // BLOCK]  # (N / 128, K / 128)
         a = (q.float().unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
         spread = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)  # (N, K)
         y = a @ (w.t().float() * spread).t()
-        return (y if bias is None else y + bias).to(dtype)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, act={self.act.kind}, "
-                f"rows=[{self.lo}, {self.hi}) of {self.joint.weight.shape[0]}")
+    elif zp is None:
+        y = (q.float() * scale) @ (w.float() * weight_scale[lo:hi])
+    else:
+        acc = torch._int_mm(q, w) - zp.unsqueeze(1) * colsum[lo:hi].unsqueeze(0)
+        y = acc.float() * scale * weight_scale[lo:hi]
+    y = y if bias is None else y + bias[lo:hi]
+    return y.to(x.dtype).reshape(*x.shape[:-1], hi - lo)
