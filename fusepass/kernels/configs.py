@@ -184,7 +184,7 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
 # M = 1 with a K-contiguous b (``w.t()``): gemv.py's kernel, unsplit. H200, int8, Llama-3-8B's
 # four decode shapes: 8 rows of 1024 bytes a program, unsplit, took 71.0 us a layer against the
 # tuned tile kernel's 82.6 (of 108 (block_n, block_k, split, warps) probed, the best split K in
-# 2-4, which through the op's split-K sum cost more than it saved: gemv.py; NOTES.md, run 23).
+# 2-4, which through the op's split-K sum cost more than it saved: gemv.py; benchmarks/NOTES.md).
 # Those shapes gave 3.9-27 programs a SM; a narrower weight (an unjoined k_proj, N = 1024: 128
 # programs) keeps the tiles, whose split fills the GPU (``gemv_fills``).
 GEMV = Config(block_m=1, block_n=8, block_k=1024, num_warps=4, num_stages=3, gemv=True)

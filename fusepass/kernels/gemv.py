@@ -10,7 +10,7 @@ reduces them against the activation row in registers (int8 products summed exact
 fp8 ones, exact in fp32, summed in fp32). H200, Llama-3-8B's four decode shapes (q/k/v
 6144x4096, o 4096x4096, gate/up 28672x4096, down 4096x14336), int8, each in a CUDA graph
 with weights rotating past L2: 71.0 us a layer through the op against the tuned tile
-kernel's 82.6, timed in turns (benchmarks/NOTES.md, run 23, where the tiles were picked).
+kernel's 82.6, timed in turns (benchmarks/NOTES.md, where the tiles were picked).
 
 K is not split: in one probe the four shapes took 68.7 us a layer unsplit and 80.5 in two slices
 (``split_k_sum``'s partial buffer and ticket), and an op call then also needs its tickets
