@@ -47,6 +47,27 @@ def test_the_optimized_fp8_variant_is_a_checkpoint_loaded_back_by_transformers()
     assert 0 < (out - ref).abs().max() < 0.1 * ref.abs().max()
 
 
+def test_the_eager_mode_runs_the_model_uncompiled(monkeypatch):
+    monkeypatch.setattr(bench.torch, "compile", lambda *a, **k: pytest.fail("eager compiled the model"))
+    rows = bench.run([1], ["bf16", "int8"], ["eager"], ["b1"], prefill=8, cache_len=32, calls=2, out=None,
+                     sizes=SMALL, log=lambda _: None)
+    assert [(r["variant"], r["mode"]) for r in rows] == [("bf16", "eager"), ("int8", "eager")]
+    assert all(r["step_ms"] > 0 and "error" not in r for r in rows), rows
+
+
+def test_variants_that_break_the_graph_compile_last(monkeypatch):
+    compiled = []
+
+    def start(model, variant, *args):
+        compiled.append(variant)
+        return {"variant": variant, "error": "not run"}, None
+
+    monkeypatch.setattr(bench, "_start", start)
+    built = {v: None for v in ["ct-fp8-optimized", "bf16", "ct-int8", "int8"]}
+    rows = bench.cells(built, "default", "b1", None, 32, 2, {})
+    assert compiled == ["bf16", "int8", "ct-fp8-optimized", "ct-int8"] == [r["variant"] for r in rows]
+
+
 def test_profile_compile_writes_the_first_calls_stats(tmp_path):
     import pstats
 
@@ -97,6 +118,7 @@ def test_variants_are_timed_in_alternating_rounds(monkeypatch):
     (["--profile-compile", "/no/such/dir"], "--profile-compile /no/such/dir: no such directory"),
     (["--variants", "bf16,int8", "--guard-filter", "skip-nn-modules"], "--guard-filter times one variant per process"),
     (["--guard-filter", "skip-prepared-values"], "needs a variant that fusepass.prepare converts"),
+    (["--modes", "eager", "--guard-filter", "skip-nn-modules"], "the eager mode has none"),
 ])
 def test_bad_flags(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
