@@ -62,7 +62,8 @@ def path_cases() -> int:
     """Each of PATHS forced on every shape, the variants in turn, and the M = 1 kernel
     (``gemv.py``) on every (N, K) in each variant; returns the case count."""
     n = 0
-    gemv = [(1, nk, gemv_config(nk[1]), variant) for nk, variant in itertools.product(NK, VARIANTS)]
+    # (on one SM's count: 4 rows a program at N = 17, 8 at the other widths)
+    gemv = [(1, nk, gemv_config(*nk, 1), variant) for nk, variant in itertools.product(NK, VARIANTS)]
     paths = [(M, nk, cfg, VARIANTS[i % len(VARIANTS)])
              for i, ((M, nk), cfg) in enumerate(itertools.product(itertools.product(MS, NK), PATHS))]
     for M, (N, K), cfg, variant in paths + gemv:

@@ -182,18 +182,26 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
 
 
 # M = 1 with a K-contiguous b (``w.t()``): gemv.py's kernel, unsplit. H200, int8, Llama-3-8B's
-# four decode shapes: 8 rows of 1024 bytes a program, unsplit, took 71.0 us a layer against the
-# tuned tile kernel's 82.6 (of 108 (block_n, block_k, split, warps) probed, the best split K in
-# 2-4, which through the op's split-K sum cost more than it saved: gemv.py; benchmarks/NOTES.md).
-# Those shapes gave 3.9-27 programs a SM; a narrower weight (an unjoined k_proj, N = 1024: 128
-# programs) keeps the tiles, whose split fills the GPU (``gemv_fills``).
-GEMV = Config(block_m=1, block_n=8, block_k=1024, num_warps=4, num_stages=3, gemv=True)
+# four decode shapes, weights past L2 (benchmarks/NOTES.md): 8 rows of 1024 bytes a program
+# took 71.0 us a layer against the tuned tile kernel's 82.6 (of 108 (block_n, block_k, split,
+# warps) probed, the best split K in 2-4, which through the op's split-K sum cost more than
+# it saved: gemv.py). A second sweep of 30 unsplit (rows, bytes, warps, stages): 2048 bytes
+# a row at a time, and 4 rows a program where 8 would give fewer than GEMV_PROGRAMS_PER_SM
+# programs a SM (N = 4096 on 132 SMs: 512), 66.9 us a layer against 71.0 (o_proj 6.7 against
+# 7.7 us, down_proj 17.8 against 20.3; stages 1 or 3 alike). A narrower weight (an unjoined
+# k_proj, N = 1024: 128 programs of 8 rows) keeps the tiles, whose split fills the GPU
+# (``gemv_fills``).
+GEMV = Config(block_m=1, block_n=8, block_k=2048, num_warps=4, num_stages=3, gemv=True)
+GEMV_PROGRAMS_PER_SM = 4
 
 
 @functools.cache  # on the eager launch path: 5 us uncached
-def gemv_config(K: int) -> Config:
-    """The M = 1 kernel's config for a reduction of ``K`` (a short K: one shorter block)."""
-    return replace(GEMV, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
+def gemv_config(N: int, K: int, sms: int) -> Config:
+    """The M = 1 kernel's config for an (N, K) weight on a GPU of ``sms`` SMs: GEMV's rows a
+    program, half as many where that leaves fewer than GEMV_PROGRAMS_PER_SM programs a SM; a
+    short K reads one shorter block."""
+    rows = GEMV.block_n if cdiv(N, GEMV.block_n) >= GEMV_PROGRAMS_PER_SM * sms else GEMV.block_n // 2
+    return replace(GEMV, block_n=rows, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
 
 
 def gemv_fills(N: int, device) -> bool:

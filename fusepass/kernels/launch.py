@@ -445,8 +445,10 @@ def launch_scaled_mm(
         split = decode_splits(fake, symbolic_m=False)
         # M = 1 only here: Dynamo specializes sizes 0 and 1, so a traced M = 1 is static (an
         # unbacked or exported M that is 1 at run time takes the tiles of its bucket)
-        config = (gemv_config(int(K)) if gemv_allowed(a, b) and gemv_fills(int(N), a.device) else
-                  select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split))
+        if gemv_allowed(a, b) and gemv_fills(int(N), a.device):
+            config = gemv_config(int(N), int(K), sm_count(a.device))
+        else:
+            config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split)
     # cond takes tensors only: the None arguments stay in the closure, by position.
     args = (a, b, scale_a, scale_b, bias, azp_adj, azp)
     present = [i for i, t in enumerate(args) if t is not None]

@@ -36,13 +36,13 @@ def _run(p, out_dtype, config):
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize("N,K", SHAPES)
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
-@pytest.mark.parametrize("block_k", [512, 1024])
-def test_gemv_matches_the_oracle(dtype, N, K, variant, block_k):
+@pytest.mark.parametrize("rows,block_k", [(8, 512), (4, 2048)])
+def test_gemv_matches_the_oracle(dtype, N, K, variant, rows, block_k):
     if dtype != torch.int8 and "azp" in VARIANTS[variant]:
         pytest.skip("zero points are int8's")
     p = make_problem(1, N, K, dtype, device=DEVICE, seed=variant, **VARIANTS[variant])
-    cfg = gemv_config(K)
-    out = _run(p, torch.bfloat16, Config(**{**cfg.as_dict(), "block_k": min(cfg.block_k, block_k)}))
+    cfg = gemv_config(N, K, configs.DEFAULT_SMS)
+    out = _run(p, torch.bfloat16, replace(cfg, block_n=rows, block_k=min(cfg.block_k, block_k)))
     assert_matches_oracle(out, p, torch.bfloat16, extra_ulps=BF16_ULPS)
 
 
@@ -55,20 +55,20 @@ def test_gemv_reads_any_strides_of_a_and_rows_of_a_wider_weight():
     spread[:, ::3] = p.a
     p.a = spread[:, ::3]  # a.stride(1) == 3
     assert p.b.stride() == (1, 900) and p.a.stride(1) == 3
-    assert_matches_oracle(_run(p, torch.float32, gemv_config(700)), p, torch.float32)
+    assert_matches_oracle(_run(p, torch.float32, gemv_config(40, 700, configs.DEFAULT_SMS)), p, torch.float32)
 
 
 def test_gemv_int32_accumulator_is_exact():
     p = make_problem(1, 40, 3000, device=DEVICE)
-    out = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=gemv_config(3000))
+    out = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=gemv_config(40, 3000, configs.DEFAULT_SMS))
     assert torch.equal(out.cpu(), (p.a.double() @ p.b.double()).to(torch.int32).cpu())
 
 
 def test_one_row_with_a_weight_as_stored_takes_the_gemv(sm90):
     a, b, out = _operands(1, 4096, 14336)
-    p = launch.plan(gemv_config(14336), FLAGS, a, b, out, fake=True)
-    assert p.kernel is scaled_gemv_kernel and p.gemv and p.grid == (4096 // GEMV.block_n,) and p.split_k == 1
-    assert p.constexprs == {**FLAGS, "BLOCK_N": 8, "BLOCK_K": 1024, "EVEN_K": True, "num_warps": 4, "num_stages": 3}
+    p = launch.plan(gemv_config(4096, 14336, 132), FLAGS, a, b, out, fake=True)
+    assert p.kernel is scaled_gemv_kernel and p.gemv and p.grid == (4096 // 4,) and p.split_k == 1
+    assert p.constexprs == {**FLAGS, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "num_warps": 4, "num_stages": 3}
 
 
 def test_the_launch_picks_the_gemv_for_one_row_of_a_wide_weight_as_stored(monkeypatch):
@@ -86,8 +86,12 @@ def test_the_launch_picks_the_gemv_for_one_row_of_a_wide_weight_as_stored(monkey
     assert [p.kernel for p in plans] == [scaled_gemv_kernel] + [scaled_mm_kernel] * 3
 
 
-def test_a_short_k_takes_one_shorter_block():
-    assert gemv_config(4096) == GEMV and gemv_config(100) == Config(1, 8, 128, num_warps=4, num_stages=3, gemv=True)
+def test_a_gemv_config_takes_half_the_rows_below_four_programs_a_sm_and_a_short_k_one_shorter_block():
+    assert configs.GEMV_PROGRAMS_PER_SM == 4 and GEMV.block_n == 8
+    assert gemv_config(6144, 4096, 132) == GEMV  # 768 programs of 8 rows: 5.8 a SM
+    assert gemv_config(4224, 4096, 132) == GEMV  # 528: 4 a SM
+    assert gemv_config(4216, 4096, 132) == replace(GEMV, block_n=4)  # 527
+    assert gemv_config(28672, 100, 132) == Config(1, 8, 128, num_warps=4, num_stages=3, gemv=True)
 
 
 @pytest.mark.parametrize("M,split_k,row_major", [(2, 1, False), (1, 2, False), (1, 1, True)])
@@ -95,7 +99,7 @@ def test_a_gemv_config_refuses_what_its_kernel_cannot_run(sm90, M, split_k, row_
     a, b, out = _operands(M, 64, 256)
     b = torch.empty((256, 64), dtype=torch.int8, device="cuda") if row_major else b  # (K, N), N contiguous
     with pytest.raises(ValueError, match="a gemv config needs M = 1, b contiguous along K, a static K and split_k 1"):
-        launch.plan(replace(gemv_config(256), split_k=split_k), FLAGS, a, b, out, fake=True)
+        launch.plan(replace(gemv_config(64, 256, 132), split_k=split_k), FLAGS, a, b, out, fake=True)
 
 
 def test_a_gemv_config_refuses_a_symbolic_k():
@@ -109,4 +113,4 @@ def test_a_gemv_config_refuses_a_symbolic_k():
     with mode:
         b = torch.empty((64, K), dtype=torch.int8).t()
         with pytest.raises(ValueError, match="a static K"):
-            launch.plan(gemv_config(256), FLAGS, a, b, launch.new_output(a, b, torch.bfloat16), fake=True)
+            launch.plan(gemv_config(64, 256, 132), FLAGS, a, b, launch.new_output(a, b, torch.bfloat16), fake=True)
