@@ -81,11 +81,12 @@ def test_prepared_checkpoint_logits_within_policy(checkpoints, scheme):
     assert _rel(ours, reference) <= 1.1 * _rel(theirs, reference) + 1e-3, (_rel(ours, reference), _rel(theirs, reference))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 @pytest.mark.parametrize("scheme", list(KIND))
-def test_every_quantized_linear_fuses(checkpoints, scheme, step, batch):
-    model = ct.load(checkpoints[scheme][0])
+def test_every_quantized_linear_fuses(checkpoints, scheme, step, batch, device):
+    model = ct.load(checkpoints[scheme][0]).to(device)
     fusepass.prepare(model)
     ids = models.prompt(model, batch, 8, seed=2)
     inputs = dict(input_ids=ids) if step == "prefill" else models.decode_inputs(ids, models.static_cache(model, batch, 16))

@@ -9,8 +9,8 @@ contiguous along K: ``w.t()`` of a row-major weight) ``BLOCK_K`` bytes at a time
 reduces them against the activation row in registers (int8 products summed exactly in int32;
 fp8 ones, exact in fp32, summed in fp32). H200, Llama-3-8B's four decode shapes (q/k/v
 6144x4096, o 4096x4096, gate/up 28672x4096, down 4096x14336), int8, each in a CUDA graph
-with weights rotating past L2: 71.0 us a layer through the op against the tuned tile
-kernel's 82.6, timed in turns (benchmarks/NOTES.md, where the tiles were picked).
+with weights rotating past L2: 66.9 us a layer through the op against the tuned tile
+kernel's 82.6, timed in turns (``configs.gemv_config``: the rows and bytes a program takes).
 
 K is not split: in one probe the four shapes took 68.7 us a layer unsplit and 80.5 in two slices
 (``split_k_sum``'s partial buffer and ticket), and an op call then also needs its tickets
@@ -28,23 +28,15 @@ from .scaled_mm import _epilogue
 
 
 @triton.jit
-def scaled_gemv_kernel(
-    # Operands
-    a_ptr, b_ptr, out_ptr,  # (1, K), (K, N) with unit stride along K, (1, N)
-    scale_a_ptr, scale_b_ptr,  # (1,), (N,) or (1,); fp32, bf16 or fp16
-    bias_ptr, azp_adj_ptr, azp_ptr,  # (N,), (N,), (1,); None when unused
-    # Sizes and strides
-    N, K,
-    stride_ak, stride_bn, stride_on,
-    # Epilogue variant (as scaled_mm_kernel's)
-    SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
-    # Tiling
+def gemv_rows(
+    pid_n,  # this program's block of BLOCK_N rows of b.T
+    a_ptr, b_ptr,  # (1, K), (K, N) with unit stride along K
+    N, K, stride_ak, stride_bn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
 ):
-    pid_n = tl.program_id(0)
-
+    """The main loop: (acc (BLOCK_N,) of a @ b's columns, their indices cols (BLOCK_N,),
+    offs_n: cols with ragged ones read as column 0). Also ``group.py``'s, at M = 1."""
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_n = tl.where(cols < N, cols, 0).to(tl.int64)  # ragged N: row 0 again, masked at the store
     row_starts = b_ptr + offs_n * stride_bn  # (BLOCK_N,): the rows of b.T
@@ -63,7 +55,27 @@ def scaled_gemv_kernel(
             w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
             x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
         acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
+    return acc, cols, offs_n
 
+
+@triton.jit
+def scaled_gemv_kernel(
+    # Operands
+    a_ptr, b_ptr, out_ptr,  # (1, K), (K, N) with unit stride along K, (1, N)
+    scale_a_ptr, scale_b_ptr,  # (1,), (N,) or (1,); fp32, bf16 or fp16
+    bias_ptr, azp_adj_ptr, azp_ptr,  # (N,), (N,), (1,); None when unused
+    # Sizes and strides
+    N, K,
+    stride_ak, stride_bn, stride_on,
+    # Epilogue variant (as scaled_mm_kernel's)
+    SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
+    # Tiling
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
+):
+    acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
+                                  BLOCK_N, BLOCK_K, EVEN_K)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
     x = _epilogue(

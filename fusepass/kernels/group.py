@@ -14,7 +14,9 @@ small weight alone would not (k_proj's N = 1024 gives 16 tiles of 64 columns).
 
 Decode sizes only: pointer loads (``POINTER_LOADS_MAX_M``), no split-K (one launch is the
 point), and the epilogue variants the members share (scale granularity, bias); no zero
-point. ``group_launch.py`` chooses the config and launches it.
+point. At M = 1 with the weights as stored (``b = w.t()``, columns contiguous along K) each
+program reduces rows of a member's b.T instead, ``gemv.py``'s loop (``GEMV``): the members
+then run as their joined weight would. ``group_launch.py`` chooses the config and launches it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gemv import gemv_rows
 from .scaled_mm import _epilogue, pointer_mainloop
 
 
@@ -33,23 +36,31 @@ def _member_tile(
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn,
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GEMV: tl.constexpr,  # M = 1, b's columns contiguous along K: gemv.py's main loop
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    # Rows/columns past the edge wrap around to valid ones; the store masks them off.
-    offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # (BLOCK_M,)
-    offs_n = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # (BLOCK_N,)
-    if a_ptr.dtype.element_ty == tl.int8:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    if GEMV:  # (BLOCK_N rows of b.T; BLOCK_M is 1)
+        acc, cols, offs_n = gemv_rows(pid_n, a_ptr, b_ptr, N, K, stride_ak, stride_bn, BLOCK_N, BLOCK_K, EVEN_K)
+        rows = tl.zeros((1,), dtype=tl.int64)
+        x = _epilogue(acc[None, :], rows, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
+                      SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)
+        tl.store(out_ptr + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
     else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = pointer_mainloop(acc, a_ptr, b_ptr, offs_m, offs_n, 0, tl.cdiv(K, BLOCK_K), K,
-                           stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K)
-    x = _epilogue(acc, offs_m, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
-                  SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(out_ptr + rows[:, None] * N + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+        # Rows/columns past the edge wrap around to valid ones; the store masks them off.
+        offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # (BLOCK_M,)
+        offs_n = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # (BLOCK_N,)
+        if a_ptr.dtype.element_ty == tl.int8:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = pointer_mainloop(acc, a_ptr, b_ptr, offs_m, offs_n, 0, tl.cdiv(K, BLOCK_K), K,
+                               stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K)
+        x = _epilogue(acc, offs_m, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
+                      SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(out_ptr + rows[:, None] * N + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -72,6 +83,7 @@ def scaled_mm_group_kernel(
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     # Tiling
     MEMBERS: tl.constexpr,  # 2..4
+    GEMV: tl.constexpr,  # M = 1 with b's columns contiguous along K: rows of b.T (gemv.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):
@@ -86,17 +98,17 @@ def scaled_mm_group_kernel(
     if t < end0:
         _member_tile(pid_m, t, a_ptr, b0_ptr, out0_ptr, scale_a_ptr, scale_b0_ptr, bias0_ptr,
                      M, N0, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     elif t < end1:
         _member_tile(pid_m, t - end0, a_ptr, b1_ptr, out1_ptr, scale_a_ptr, scale_b1_ptr, bias1_ptr,
                      M, N1, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     elif MEMBERS >= 3:
         if t < end2:
             _member_tile(pid_m, t - end1, a_ptr, b2_ptr, out2_ptr, scale_a_ptr, scale_b2_ptr, bias2_ptr,
                          M, N2, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
         elif MEMBERS >= 4:
             _member_tile(pid_m, t - end2, a_ptr, b3_ptr, out3_ptr, scale_a_ptr, scale_b3_ptr, bias3_ptr,
                          M, N3, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)

@@ -4,7 +4,8 @@
 
 The config is the tuned one of the fused weight the members make together, (M, sum N_i, K):
 that is the GEMM the launch runs (Llama-3-8B's q/k/v make the 6144 x 4096 weight the table
-has). Unsplit and with pointer loads, whatever the table says for that shape (``group.py``).
+has). Unsplit and with pointer loads, whatever the table says for that shape (``group.py``);
+at M = 1 with the weights as stored, the M = 1 kernel's rows (``configs.gemv_config``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import replace
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from .configs import Config, cdiv, fit, select_config
+from .configs import Config, cdiv, fit, gemv_config, gemv_fills, select_config, sm_count
 from .direct import launcher
 from .group import scaled_mm_group_kernel
 from .launch import INTERPRETED, _flat, _per_element, _traced, on_device
@@ -31,8 +32,12 @@ def launch_variant(b: torch.Tensor, scale_b: torch.Tensor, bias) -> tuple | None
     return tuple(map(int, strides)), _per_element(scale_b), bias is None
 
 
-def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device) -> Config:
-    """The tuned config of (M, sum(Ns), K), unsplit, pointer loads, fitted to the widest member."""
+def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device, k_contiguous: bool = False) -> Config:
+    """The tuned config of (M, sum(Ns), K), unsplit, pointer loads, fitted to the widest member;
+    at M = 1 with the weights' columns ``k_contiguous`` (``w.t()``), ``gemv_config``'s where the
+    members together fill the GPU (``gemv_fills``), as for one weight of their joined width."""
+    if M == 1 and k_contiguous and gemv_fills(sum(Ns), device):
+        return gemv_config(sum(Ns), K, sm_count(device))
     cfg = select_config(M, sum(Ns), K, dtype, device, split_decode=False)
     return fit(replace(cfg, split_k=1, tma=False), max(Ns), K)
 
@@ -57,7 +62,10 @@ def launch_scaled_mm_group(
         return outs
     if not all(map(is_concrete_int, (M, K, *Ns))):
         raise ValueError("fusepass.scaled_mm_group: sizes must be static (the pass groups static decode sizes)")
-    cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device)
+    cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device, bs[0].stride(0) == 1)
+    if cfg.gemv and (M != 1 or bs[0].stride(0) != 1):
+        raise ValueError(f"a gemv config needs M = 1 and weights contiguous along K, got M = {M}, "
+                         f"strides {tuple(bs[0].stride())}")
     scale_a = _flat(scale_a, fake)
     scale_bs = [_flat(s, fake) for s in scale_bs]
     biases = [_flat(b, fake) for b in biases]
@@ -79,6 +87,7 @@ def launch_scaled_mm_group(
             SCALE_B_PER_CHANNEL=_per_element(scale_bs[0]),
             HAS_BIAS=biases[0] is not None,
             MEMBERS=len(bs),
+            GEMV=cfg.gemv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_K=statically_known_true(K % cfg.block_k == 0),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from fusepass.kernels import launch_scaled_mm
+from fusepass.kernels import configs, launch_scaled_mm
+from fusepass.kernels.configs import gemv_config
 from fusepass.kernels.group_launch import group_config, launch_scaled_mm_group
 from tests.helpers import make_problem
 
@@ -57,3 +58,35 @@ def test_many_tiles_per_member():
 def test_config_is_the_fused_weights_unsplit_with_pointer_loads():
     cfg = group_config(1, [4096, 1024, 1024], 4096, torch.int8, torch.device(DEVICE))
     assert cfg.split_k == 1 and not cfg.tma
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("variant", range(len(VARIANTS)))
+def test_one_row_of_weights_as_stored_runs_each_members_gemv(dtype, variant):
+    """M = 1, b = w.t(): the members' rows of b.T (gemv.py's loop), each member bit for bit the
+    M = 1 kernel's result; ragged N, K over several ragged blocks."""
+    Ns, K = [40, 17, 24], 300
+    a, scale_a, problems = _members(1, Ns, K, dtype, variant)
+    cfg = dataclasses.replace(gemv_config(sum(Ns), K, 1), block_k=128)
+    assert cfg.gemv and cfg.block_n == 8
+    outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
+                                  torch.bfloat16, [p.bias for p in problems], config=cfg)
+    for out, p in zip(outs, problems):
+        want = launch_scaled_mm(a, p.b, scale_a, p.scale_b, torch.bfloat16, p.bias, config=cfg)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_one_row_takes_the_gemv_where_the_joined_width_fills_the_gpu():
+    cpu = torch.device("cpu")  # (DEFAULT_SMS: 132)
+    qkv = ([4096, 1024, 1024], 4096)
+    assert group_config(1, *qkv, torch.int8, cpu, k_contiguous=True) == gemv_config(6144, 4096, configs.DEFAULT_SMS)
+    assert not group_config(2, *qkv, torch.int8, cpu, k_contiguous=True).gemv  # two rows
+    assert not group_config(1, *qkv, torch.int8, cpu).gemv  # weights stored (K, N)
+    assert not group_config(1, [1024, 1024], 4096, torch.int8, cpu, k_contiguous=True).gemv  # 256 programs
+
+
+def test_a_gemv_config_refuses_two_rows():
+    a, scale_a, problems = _members(2, [16, 16], 64, torch.int8, 0)
+    with pytest.raises(ValueError, match="a gemv config needs M = 1 and weights contiguous along K"):
+        launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
+                               torch.float32, [None, None], config=gemv_config(32, 64, 1))
