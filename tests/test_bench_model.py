@@ -63,9 +63,9 @@ def test_variants_that_break_the_graph_compile_last(monkeypatch):
         return {"variant": variant, "error": "not run"}, None
 
     monkeypatch.setattr(bench, "_start", start)
-    built = {v: None for v in ["ct-fp8-optimized", "bf16", "ct-int8", "int8"]}
+    built = {v: None for v in ["ct-fp8", "bf16", "ct-int8", "int8"]}
     rows = bench.cells(built, "default", "b1", None, 32, 2, {})
-    assert compiled == ["bf16", "int8", "ct-fp8-optimized", "ct-int8"] == [r["variant"] for r in rows]
+    assert compiled == ["bf16", "int8", "ct-fp8", "ct-int8"] == [r["variant"] for r in rows]
 
 
 def test_profile_compile_writes_the_first_calls_stats(tmp_path):
@@ -119,6 +119,7 @@ def test_variants_are_timed_in_alternating_rounds(monkeypatch):
     (["--variants", "bf16,int8", "--guard-filter", "skip-nn-modules"], "--guard-filter times one variant per process"),
     (["--guard-filter", "skip-prepared-values"], "needs a variant that fusepass.prepare converts"),
     (["--modes", "eager", "--guard-filter", "skip-nn-modules"], "the eager mode has none"),
+    (["--variants", "bf16,ct-fp8-optimized"], "ct-fp8-optimized runs in a process of its own"),
 ])
 def test_bad_flags(argv, message, capsys, monkeypatch):
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
