@@ -185,7 +185,7 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
 # four decode shapes, weights past L2 (benchmarks/NOTES.md): 8 rows of 1024 bytes a program
 # took 71.0 us a layer against the tuned tile kernel's 82.6 (of 108 (block_n, block_k, split,
 # warps) probed, the best split K in 2-4, which through the op's split-K sum cost more than
-# it saved: gemv.py). A second sweep of 30 unsplit (rows, bytes, warps, stages): 2048 bytes
+# it saved: gemv.py). A second sweep of 32 unsplit (rows, bytes, warps, stages): 2048 bytes
 # a row at a time, and 4 rows a program where 8 would give fewer than GEMV_PROGRAMS_PER_SM
 # programs a SM (N = 4096 on 132 SMs: 512), 66.9 us a layer against 71.0 (o_proj 6.7 against
 # 7.7 us, down_proj 17.8 against 20.3; stages 1 or 3 alike). A narrower weight (an unjoined

@@ -32,11 +32,17 @@ def launch_variant(b: torch.Tensor, scale_b: torch.Tensor, bias) -> tuple | None
     return tuple(map(int, strides)), _per_element(scale_b), bias is None
 
 
+def takes_gemv(M: int, Ns: list, k_contiguous: bool, device) -> bool:
+    """Whether a group runs the M = 1 kernel's rows: one row, the weights' columns
+    ``k_contiguous`` (``w.t()``), and the members together filling the GPU (``gemv_fills``),
+    as one weight of their joined width would."""
+    return M == 1 and k_contiguous and gemv_fills(sum(Ns), device)
+
+
 def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device, k_contiguous: bool = False) -> Config:
     """The tuned config of (M, sum(Ns), K), unsplit, pointer loads, fitted to the widest member;
-    at M = 1 with the weights' columns ``k_contiguous`` (``w.t()``), ``gemv_config``'s where the
-    members together fill the GPU (``gemv_fills``), as for one weight of their joined width."""
-    if M == 1 and k_contiguous and gemv_fills(sum(Ns), device):
+    ``gemv_config``'s for the joined width where the group ``takes_gemv``."""
+    if takes_gemv(M, Ns, k_contiguous, device):
         return gemv_config(sum(Ns), K, sm_count(device))
     cfg = select_config(M, sum(Ns), K, dtype, device, split_decode=False)
     return fit(replace(cfg, split_k=1, tma=False), max(Ns), K)

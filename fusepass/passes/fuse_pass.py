@@ -63,8 +63,8 @@ class PassConfig:
     # with inductor_options() to the calls the pass makes.)
     split_k_outside_cuda_graphs: bool = False
     # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v) at a static M up to this
-    # run as one scaled_mm_group launch (passes/group.py), where decode launches do not split
-    # K (outside CUDA graphs); 0 turns grouping off.
+    # run as one scaled_mm_group launch (passes/group.py); where decode launches split K
+    # (inside CUDA graphs) only at M = 1 on the M = 1 kernel's rows; 0 turns grouping off.
     group_max_m: int = 16
     # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
     # buffers) run as one matmul over their union (passes/join.py), at every M.
@@ -135,11 +135,12 @@ class FusePass(CustomGraphPass):
         for names in joined or ():
             count(JOINED)
             log.debug("fusepass: %s run as one matmul over their shared weight buffer", ", ".join(names))
-        # Not where decode launches split K (inside Inductor's CUDA graphs, or where the caller
-        # captures): the group has no split, and there the members' tuned splits fill the GPU.
-        if self.config.group_max_m > 0 and not (self.config.split_k_outside_cuda_graphs
-                                                or decode_splits(fake=True, symbolic_m=False)):
-            for names in group_siblings(graph, self.config.group_max_m):
+        # Where decode launches split K (inside Inductor's CUDA graphs, or where the caller
+        # captures) only groups on the M = 1 kernel's rows: the group has no split, and the
+        # members' tuned splits fill the GPU where the group's tiles would not.
+        if self.config.group_max_m > 0:
+            splits = self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False)
+            for names in group_siblings(graph, self.config.group_max_m, gemv_only=splits):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
         if joined or any(d.fused or d.rerouted for d in decisions):

@@ -140,10 +140,20 @@ class TestMustNotGroup(expecttest.TestCase):
 
     def test_not_where_decode_splits_k(self):
         """Inside Inductor's CUDA graphs (and for code its caller captures) decode launches
-        split K, which the group cannot: the members keep their own launches."""
+        split K, which the group's tiles cannot: the members keep their own launches."""
         self.assert_apart(run(Siblings(), x_of(1), split_k_outside_cuda_graphs=True))
         with torch._inductor.config.patch({"triton.cudagraphs": True}):
             self.assert_apart(run(Siblings(), x_of(1)))
+        self.assert_apart(run(Siblings((2048, 512, 512)), x_of(2), split_k_outside_cuda_graphs=True))
+
+    def test_one_row_on_the_gemv_rows_also_where_decode_splits_k(self):
+        """At M = 1 with weights as stored and a joined width that fills the GPU (3072 rows:
+        384 programs of 8, at least 2 a SM on 132 SMs), the group runs the M = 1 kernel's rows,
+        as the joined weight would: grouped inside CUDA graphs too."""
+        for config in (dict(split_k_outside_cuda_graphs=True), {}):
+            with torch._inductor.config.patch({"triton.cudagraphs": not config}):
+                r = run(Siblings((2048, 512, 512)), x_of(1), **config)
+            self.assertEqual(grouped_calls(r), [3])
 
 
 def _lin(x, w, bias=None):
