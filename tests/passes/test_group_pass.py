@@ -91,6 +91,10 @@ return [getitem, getitem_1, getitem_2]""")
         but it is computed from gate's result, so up's epilogue ends before it
         (``epilogue._from_a_product``), and each writes bf16 (SiLU's fp32 upcast stays in the
         graph): one launch, with the ungrouped graph's values."""
+        if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+            # Seen on torch 2.11: Inductor folds gate's f32 -> bf16 -> f32 casts into one before
+            # the pass runs, so gate's call writes f32 and up's bf16, which do not group.
+            self.skipTest("torch < 2.13 drops the bf16 rounding between gate and SiLU")
         model = Siblings(widths=(16, 16))
 
         def f(x):
