@@ -376,7 +376,7 @@ def _fit_together(built: dict, step: str, cache_len: int) -> bool:
     return len(built) * cache <= torch.cuda.mem_get_info()[0] / 2
 
 
-def check_guard_filter(variants: list[str], guard_filter: str | None, modes: list[str]) -> None:
+def check_flags(variants: list[str], guard_filter: str | None, modes: list[str]) -> None:
     """Refuse a guard filter that would time something else than it says, or an ALONE variant
     beside others (ValueError)."""
     if len(variants) > 1 and ALONE & set(variants):
@@ -401,7 +401,7 @@ def run(layers: list[int], variants: list[str], modes: list[str], steps: list[st
     cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``;
     ``steps_dir``: its steps, ``<cell>-host.txt`` (cProfile) and ``<cell>-kernels.txt`` (GPU
     kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row)."""
-    check_guard_filter(variants, guard_filter, modes)
+    check_flags(variants, guard_filter, modes)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         if path and not os.path.isdir(path):
             ap.error(f"{flag} {path}: no such directory")
     try:
-        check_guard_filter(variants, args.guard_filter, modes)
+        check_flags(variants, args.guard_filter, modes)
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available() and ("graphs" in modes or {"fp8", "fp8-stock"} & set(variants)):

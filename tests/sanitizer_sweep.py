@@ -15,6 +15,7 @@ import torch
 import fusepass
 from fusepass.kernels import launch_scaled_mm
 from fusepass.kernels.configs import Config, gemv_config
+from fusepass.kernels.group_launch import launch_scaled_mm_group
 from tests.helpers import assert_matches_oracle, make_problem
 
 # M: every bucket and its edges (1100: the persistent kernel's buckets); N and K: below one
@@ -58,12 +59,17 @@ def ops_cases() -> int:
     return n
 
 
+# The M = 1 kernel's too: K over several 2048-byte blocks, ragged.
+GEMV_NK = NK + [(100, 5000)]
+
+
 def path_cases() -> int:
-    """Each of PATHS forced on every shape, the variants in turn, and the M = 1 kernel
-    (``gemv.py``) on every (N, K) in each variant; returns the case count."""
+    """Each of PATHS forced on every shape, the variants in turn, the M = 1 kernel
+    (``gemv.py``) on every GEMV_NK in each variant, and the grouped kernel on its rows;
+    returns the case count."""
     n = 0
     # (on one SM's count: 4 rows a program at N = 17, 8 at the other widths)
-    gemv = [(1, nk, gemv_config(*nk, 1), variant) for nk, variant in itertools.product(NK, VARIANTS)]
+    gemv = [(1, nk, gemv_config(*nk, 1), variant) for nk, variant in itertools.product(GEMV_NK, VARIANTS)]
     paths = [(M, nk, cfg, VARIANTS[i % len(VARIANTS)])
              for i, ((M, nk), cfg) in enumerate(itertools.product(itertools.product(MS, NK), PATHS))]
     for M, (N, K), cfg, variant in paths + gemv:
@@ -71,6 +77,16 @@ def path_cases() -> int:
         out = launch_scaled_mm(p.a, p.b, p.scale_a, p.scale_b, torch.float32, p.bias, p.azp_adj, p.azp, config=cfg)
         torch.cuda.synchronize()
         assert_matches_oracle(out, p, torch.float32)
+        n += 1
+    for (N, K), variant in itertools.product(GEMV_NK, VARIANTS[:4]):  # (no zero points in groups)
+        members = [make_problem(1, w, K, device="cuda", seed=n + i, **variant) for i, w in enumerate((N, 17, 24))]
+        a, scale_a = members[0].a, members[0].scale_a
+        outs = launch_scaled_mm_group(a, [p.b for p in members], scale_a, [p.scale_b for p in members],
+                                      torch.float32, [p.bias for p in members], config=gemv_config(N + 41, K, 1))
+        torch.cuda.synchronize()
+        for out, p in zip(outs, members):
+            p.a, p.scale_a = a, scale_a
+            assert_matches_oracle(out, p, torch.float32)
         n += 1
     return n
 
@@ -83,8 +99,8 @@ def main() -> int:
         return 2
     n = (ops_cases() if "ops" in parts else 0) + (path_cases() if "paths" in parts else 0)
     print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} "
-          f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel on each "
-          f"(N, K) x variant), all match the oracle")
+          f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel, alone and "
+          f"grouped, on each of {len(GEMV_NK)} (N, K) x variant), all match the oracle")
     return 0
 
 

@@ -271,3 +271,57 @@ def test_backend_name_registered_on_import_without_the_entry_point():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().endswith("[2.0, 2.0]")
+
+
+def _linear(act: Act, n: int = 256, k: int = 256, lo: int = 128, hi: int = 256):
+    """Rows [lo, hi) of an (n, k) joint weight of ``act``'s scheme, with a bias."""
+    from fusepass.integrations.linear import Joint, W8A8Linear
+
+    g = torch.Generator().manual_seed(0)
+    if act.kind.startswith("fp8"):
+        weight = (torch.randn(n, k, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    else:
+        weight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scale = torch.rand(n // 128, k // 128, generator=g) if act.kind == "fp8-block" else torch.rand(n, generator=g)
+    colsum = weight.to(torch.int32).sum(1) if act.kind == "int8-asym" else None
+    return W8A8Linear(Joint(weight, scale / 100, colsum, torch.randn(n, generator=g)), lo, hi, act)
+
+
+@pytest.mark.parametrize("kind", Act.KINDS)
+def test_the_traced_form_computes_the_eager_forward(kind):
+    """``fusepass::w8a8_linear`` (what a compiler sees) against the forward on the ops, rows
+    [128, 256) of a joint weight with a bias: the same product, to fp32's rounding."""
+    from fusepass.integrations.linear import SOURCE
+
+    lin, x = _linear(Act(kind)), torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(1))
+    j = lin.joint
+    traced = torch.ops.fusepass.w8a8_linear(x, j.weight, j.weight_scale, j.colsum, j.bias, lin.lo, lin.hi,
+                                            kind, lin.act.divisor, lin.act.floor, SOURCE)
+    assert traced.shape == (2, 3, 128)
+    torch.testing.assert_close(traced, lin(x), rtol=1e-4, atol=1e-4)
+
+
+def test_dynamo_traces_a_prepared_linear_as_one_node(bf16_model):
+    """One ``fusepass.w8a8_linear`` node a converted linear, and none of its ops, for Dynamo
+    to trace (its compile time); AOTAutograd expands them."""
+    model, prep = _prepared(bf16_model, "int8")
+    graphs = []
+    fn = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=False)
+    with torch.no_grad():
+        fn(models.prompt(bf16_model, 1, 4, seed=5))
+    targets = [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+    assert sum(t.startswith("fusepass.w8a8_linear") for t in targets) == len(prep.converted) == LINEARS
+    assert not [t for t in targets if "amax" in t or "_int_mm" in t], targets
+
+
+def test_an_exported_prepared_model_holds_aten_ops_only(bf16_model):
+    """Under torch.export the forward traces its ATen forms: a saved program needs no fusepass."""
+    model, _ = _prepared(bf16_model, "int8")
+    ep = torch.export.export(model, (models.prompt(bf16_model, 1, 4, seed=5),), {"use_cache": False})
+    targets = {str(n.target) for n in ep.graph.nodes if n.op == "call_function"}
+    assert not [t for t in targets if "fusepass" in t] and "aten.amax.default" in targets, targets
+
+
+def test_a_prepared_module_prints_its_rows_and_scheme():
+    assert repr(_linear(Act("fp8"))).startswith(
+        "W8A8Linear(\n  in_features=256, out_features=128, act=fp8, rows=[128, 256) of 256")

@@ -5,8 +5,8 @@ stay the checkpoint's own int8 / fp8 values and scales; the activation is quanti
 in the forward, as the source format prescribes (its ``Act``), then one ``fusepass.scaled_mm``
 (or ``scaled_mm_azp``, ``scaled_mm_blockwise``) call does the matmul and its whole epilogue.
 The forward runs in eager (the ops' CPU reference or CUDA kernels), and compiled as forms the
-pass fuses (``fusepass::w8a8_linear``, below); other backends run those forms as written, except asymmetric
-activations on CUDA at M <= 16 (``torch._int_mm``'s limit).
+pass fuses (``fusepass::w8a8_linear``, below); other backends run those forms as written,
+except asymmetric activations on CUDA at M <= 16 (``torch._int_mm``'s limit).
 
 Sibling linears of one parent module with the same input width and scheme (a Llama
 attention's q/k/v/o, an MLP's gate/up) keep their weights in one ``Joint`` buffer each, rows
@@ -19,7 +19,9 @@ small to reach the memory bandwidth alone.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -151,8 +153,11 @@ class W8A8Linear(nn.Module):
         j, lo, hi = self.joint, self.lo, self.hi
         act = ACTS[self.act_index]
         if torch.compiler.is_compiling():
-            return torch.ops.fusepass.w8a8_linear(x, j.weight, j.weight_scale, j.colsum, j.bias,
-                                                  lo, hi, act.kind, act.divisor, act.floor)
+            args = (x, j.weight, j.weight_scale, j.colsum, j.bias, lo, hi, act.kind, act.divisor, act.floor)
+            # (exported: the ATen forms, so a saved program needs no fusepass to load)
+            if torch.compiler.is_exporting():
+                return _traced(*args, SOURCE)
+            return torch.ops.fusepass.w8a8_linear(*args, SOURCE)
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         q, scale, zp = quantize_rows(x2, act)
         w = j.weight[lo:hi].t()  # (K, N), column-major
@@ -167,6 +172,10 @@ class W8A8Linear(nn.Module):
                                                  j.colsum[lo:hi], zp, bias)
         return y.reshape(*x.shape[:-1], hi - lo)
 
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, act={self.act.kind}, "
+                f"rows=[{self.lo}, {self.hi}) of {self.joint.weight.shape[0]}")
+
 
 # What a compiler sees of a W8A8Linear: one node, ``fusepass::w8a8_linear``, for Dynamo to
 # trace, where the forward's own ops were about 20 (the per-token quantization and the
@@ -174,13 +183,15 @@ class W8A8Linear(nn.Module):
 # took twice bf16's. CompositeImplicitAutograd: AOTAutograd traces the op into the ATen forms
 # below, the graph the pass matches, as if the forward had been traced. Not part of the
 # ops' contract (``docs/OPS.md``): a way to trace, its schema free to change.
+# ``source``: this file's hash. The caches key the graph, which holds the node and not its
+# body: without it a second process would be served the forms of an older body.
+SOURCE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 _LIB = torch.library.Library("fusepass", "FRAGMENT")
 _LIB.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? colsum, Tensor? bias, "
-            "int lo, int hi, str kind, float divisor, float floor) -> Tensor")
+            "int lo, int hi, str kind, float divisor, float floor, str source) -> Tensor")
 
 
-@torch.library.impl(_LIB, "w8a8_linear", "CompositeImplicitAutograd")
-def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor):
+def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor, source):
     """Rows [lo, hi) of the joint weight applied to ``x``, in plain ATen ops:
 
     - symmetric: a float matmul of the dequantized operands (pattern 8), which another
@@ -209,3 +220,6 @@ def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor)
         y = acc.float() * scale * weight_scale[lo:hi]
     y = y if bias is None else y + bias[lo:hi]
     return y.to(x.dtype).reshape(*x.shape[:-1], hi - lo)
+
+
+_LIB.impl("w8a8_linear", _traced, "CompositeImplicitAutograd")

@@ -9,8 +9,9 @@ contiguous along K: ``w.t()`` of a row-major weight) ``BLOCK_K`` bytes at a time
 reduces them against the activation row in registers (int8 products summed exactly in int32;
 fp8 ones, exact in fp32, summed in fp32). H200, Llama-3-8B's four decode shapes (q/k/v
 6144x4096, o 4096x4096, gate/up 28672x4096, down 4096x14336), int8, each in a CUDA graph
-with weights rotating past L2: 66.9 us a layer through the op against the tuned tile
-kernel's 82.6, timed in turns (``configs.gemv_config``: the rows and bytes a program takes).
+with weights rotating past L2, timed in turns: 66.9 us a layer with ``configs.gemv_config``'s
+rows and bytes against 71.0 with 8 rows of 1024 bytes; in another set 71.0 against the tuned
+tile kernel's 82.6 (through the op, ``bench_linear.py``: 69.5).
 
 K is not split: in one probe the four shapes took 68.7 us a layer unsplit and 80.5 in two slices
 (``split_k_sum``'s partial buffer and ticket), and an op call then also needs its tickets

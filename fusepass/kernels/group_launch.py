@@ -39,7 +39,7 @@ def takes_gemv(M: int, Ns: list, k_contiguous: bool, device) -> bool:
     return M == 1 and k_contiguous and gemv_fills(sum(Ns), device)
 
 
-def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device, k_contiguous: bool = False) -> Config:
+def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device, *, k_contiguous: bool) -> Config:
     """The tuned config of (M, sum(Ns), K), unsplit, pointer loads, fitted to the widest member;
     ``gemv_config``'s for the joined width where the group ``takes_gemv``."""
     if takes_gemv(M, Ns, k_contiguous, device):
@@ -68,7 +68,8 @@ def launch_scaled_mm_group(
         return outs
     if not all(map(is_concrete_int, (M, K, *Ns))):
         raise ValueError("fusepass.scaled_mm_group: sizes must be static (the pass groups static decode sizes)")
-    cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device, bs[0].stride(0) == 1)
+    cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device,
+                                 k_contiguous=bs[0].stride(0) == 1)
     if cfg.gemv and (M != 1 or bs[0].stride(0) != 1):
         raise ValueError(f"a gemv config needs M = 1 and weights contiguous along K, got M = {M}, "
                          f"strides {tuple(bs[0].stride())}")

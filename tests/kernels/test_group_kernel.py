@@ -35,7 +35,7 @@ def _members(M, Ns, K, dtype, variant):
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
 def test_each_member_is_the_plain_kernels_result(dtype, M, Ns, K, variant):
     a, scale_a, problems = _members(M, Ns, K, dtype, variant)
-    cfg = group_config(M, Ns, K, dtype, torch.device(DEVICE))
+    cfg = group_config(M, Ns, K, dtype, torch.device(DEVICE), k_contiguous=False)
     outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
                                   torch.bfloat16, [p.bias for p in problems], config=cfg)
     assert len(outs) == len(Ns)
@@ -48,7 +48,8 @@ def test_each_member_is_the_plain_kernels_result(dtype, M, Ns, K, variant):
 def test_many_tiles_per_member():
     """Many tiles per member (BLOCK_N = 16): each lands where the plain kernel puts it."""
     a, scale_a, problems = _members(3, [50, 70, 20], 64, torch.int8, 0)
-    cfg = dataclasses.replace(group_config(3, [50, 70, 20], 64, torch.int8, torch.device(DEVICE)), block_n=16)
+    cfg = dataclasses.replace(group_config(3, [50, 70, 20], 64, torch.int8, torch.device(DEVICE), k_contiguous=True),
+                              block_n=16)
     outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
                                   torch.float32, [None] * 3, config=cfg)
     for out, p in zip(outs, problems):
@@ -56,8 +57,8 @@ def test_many_tiles_per_member():
 
 
 def test_config_is_the_fused_weights_unsplit_with_pointer_loads():
-    cfg = group_config(1, [4096, 1024, 1024], 4096, torch.int8, torch.device(DEVICE))
-    assert cfg.split_k == 1 and not cfg.tma
+    cfg = group_config(16, [4096, 1024, 1024], 4096, torch.int8, torch.device(DEVICE), k_contiguous=True)
+    assert cfg.split_k == 1 and not cfg.tma and not cfg.gemv
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
@@ -67,8 +68,9 @@ def test_one_row_of_weights_as_stored_runs_each_members_gemv(dtype, variant):
     M = 1 kernel's result; ragged N, K over several ragged blocks."""
     Ns, K = [40, 17, 24], 300
     a, scale_a, problems = _members(1, Ns, K, dtype, variant)
-    cfg = dataclasses.replace(gemv_config(sum(Ns), K, 1), block_k=128)
-    assert cfg.gemv and cfg.block_n == 8
+    rows = (8, 4)[variant % 2]
+    cfg = dataclasses.replace(gemv_config(sum(Ns), K, 1), block_n=rows, block_k=128)
+    assert cfg.gemv
     outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
                                   torch.bfloat16, [p.bias for p in problems], config=cfg)
     for out, p in zip(outs, problems):
@@ -81,7 +83,7 @@ def test_one_row_takes_the_gemv_where_the_joined_width_fills_the_gpu():
     qkv = ([4096, 1024, 1024], 4096)
     assert group_config(1, *qkv, torch.int8, cpu, k_contiguous=True) == gemv_config(6144, 4096, configs.DEFAULT_SMS)
     assert not group_config(2, *qkv, torch.int8, cpu, k_contiguous=True).gemv  # two rows
-    assert not group_config(1, *qkv, torch.int8, cpu).gemv  # weights stored (K, N)
+    assert not group_config(1, *qkv, torch.int8, cpu, k_contiguous=False).gemv  # weights stored (K, N)
     assert not group_config(1, [1024, 1024], 4096, torch.int8, cpu, k_contiguous=True).gemv  # 256 programs
 
 

@@ -91,10 +91,10 @@ return [getitem, getitem_1, getitem_2]""")
         but it is computed from gate's result, so up's epilogue ends before it
         (``epilogue._from_a_product``), and each writes bf16 (SiLU's fp32 upcast stays in the
         graph): one launch, with the ungrouped graph's values."""
-        if torch.torch_version.TorchVersion(torch.__version__) < (2, 13):
+        if torch.torch_version.TorchVersion(torch.__version__) < (2, 12):
             # Seen on torch 2.11: Inductor folds gate's f32 -> bf16 -> f32 casts into one before
             # the pass runs, so gate's call writes f32 and up's bf16, which do not group.
-            self.skipTest("torch < 2.13 drops the bf16 rounding between gate and SiLU")
+            self.skipTest("torch 2.11 drops the bf16 rounding between gate and SiLU")
         model = Siblings(widths=(16, 16))
 
         def f(x):
@@ -149,6 +149,24 @@ class TestMustNotGroup(expecttest.TestCase):
         with torch._inductor.config.patch({"triton.cudagraphs": True}):
             self.assert_apart(run(Siblings(), x_of(1)))
         self.assert_apart(run(Siblings((2048, 512, 512)), x_of(2), split_k_outside_cuda_graphs=True))
+
+    def test_weights_stored_k_by_n_stay_apart_where_decode_splits_k(self):
+        """The M = 1 rows need the weights as stored (N, K): stored (K, N), the members keep
+        their own split launches inside CUDA graphs."""
+        from tests.models import quantize_rows
+
+        ws = [(q.t().contiguous(), s) for q, s in _weights(1024, 1024, 1024)]  # (K, N), one stride pair
+
+        def f(x):
+            outs = []
+            for w, s in ws:
+                xq, xs = quantize_rows(x, torch.int8)
+                outs.append(torch._int_mm(xq, w).float() * xs * s)
+            return outs
+
+        self.assert_apart(run(f, x_of(1), split_k_outside_cuda_graphs=True), fused=3)
+        # (outside CUDA graphs: one group, on the tiles)
+        self.assertEqual(run(f, x_of(1)).counts, {"int_mm_scaled": 3, "scaled_mm_group": 1})
 
     def test_one_row_on_the_gemv_rows_also_where_decode_splits_k(self):
         """At M = 1 with weights as stored and a joined width that fills the GPU (3072 rows:
