@@ -16,7 +16,9 @@ wherever they cover the need (``torch.compiler``, ``torch.library``,
 - Triton's allocator slot (``triton_allocator_unset``);
 - ``memoize_kernel_analysis`` (below);
 - Dynamo's ``counters`` (the pass's counts, as Inductor's own passes keep theirs), backend
-  registration, an op's ``schema``, and DTensor's spec class (the sharding rules' arguments).
+  registration, an op's ``schema``, and DTensor's spec class (the sharding rules' arguments);
+- ``torch.compiler``'s export flag (``exporting``): torch 2.11's Dynamo answers True for
+  ``torch.compiler.is_exporting()`` under ``torch.compile`` too.
 
 ``memoize_kernel_analysis``: Inductor reads which arguments a user-defined Triton kernel
 writes by compiling the kernel to Triton IR and walking it
@@ -151,6 +153,13 @@ def dtensor_spec():
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
     return DTensorSpec
+
+
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing: ``torch.compiler.is_exporting()``'s flag, read as a
+    value (torch 2.11's Dynamo folds the call itself to True under ``torch.compile``; 2.13 reads
+    the flag)."""
+    return torch.compiler._is_exporting_flag
 
 
 def schema(op):

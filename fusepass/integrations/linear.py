@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .._compat import exporting
 from ..kernels.blockwise import BLOCK  # (fp8-block: the group width, and the weight's block side)
 
 # float32's eps: torchao's floor for a per-token scale (an all-zero row quantizes to zeros)
@@ -155,7 +156,7 @@ class W8A8Linear(nn.Module):
         if torch.compiler.is_compiling():
             args = (x, j.weight, j.weight_scale, j.colsum, j.bias, lo, hi, act.kind, act.divisor, act.floor)
             # (exported: the ATen forms, so a saved program needs no fusepass to load)
-            if torch.compiler.is_exporting():
+            if exporting():
                 return _traced(*args, SOURCE)
             return torch.ops.fusepass.w8a8_linear(*args, SOURCE)
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
