@@ -99,8 +99,8 @@ def main() -> int:
         return 2
     n = (ops_cases() if "ops" in parts else 0) + (path_cases() if "paths" in parts else 0)
     print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} "
-          f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel, alone and "
-          f"grouped, on each of {len(GEMV_NK)} (N, K) x variant), all match the oracle")
+          f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel on each of "
+          f"{len(GEMV_NK)} (N, K) x variant, alone, and grouped without zero points), all match the oracle")
     return 0
 
 

@@ -40,7 +40,8 @@ def test_the_optimized_fp8_variant_is_a_checkpoint_loaded_back_by_transformers()
     base = models.random_llama(SMALL, 32, torch.device("cpu"), 0)
     model = bench.build("ct-fp8-optimized", base, log=lambda _: None)
     fp8_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-    assert model is not base and model.hf_quantizer.use_fp8_kernel is fp8_gpu  # (else transformers' fallback)
+    assert model is not base and model.config.quantization_config.use_optimized_inference
+    assert model.hf_quantizer.use_fp8_kernel is fp8_gpu  # (elsewhere transformers' fallback)
     ids = models.prompt(base, 1, 8, 0)
     with torch.no_grad():
         ref, out = base(ids).logits.float(), model(ids).logits.float()

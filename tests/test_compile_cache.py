@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 import fusepass
 from fusepass.demo import models
 from fusepass.integrations import linear
-linear.SOURCE = os.environ.get("SOURCE", linear.SOURCE)  # (a test's stand-in for an edited linear.py)
+linear.SOURCE = os.environ.get("FUSEPASS_TEST_SOURCE", linear.SOURCE)  # (a stand-in for an edited linear.py)
 bf16 = models.random_llama(models.Sizes(1, 128, 256, 4, 2, 256), 32, torch.device("cpu"), 0)
 model = models.quantized_copy(bf16, "int8", "torchao")
 fusepass.prepare(model)
@@ -34,7 +34,8 @@ print(json.dumps({"fusepass": dict(counters["fusepass"]), "aot": dict(counters["
 
 def _compile_in_a_new_process(cache_dir, source: str | None = None) -> dict:
     env_code = f"import os; os.environ['TORCHINDUCTOR_CACHE_DIR'] = {str(cache_dir)!r}\n" + PROBE
-    env = {**os.environ, **({"SOURCE": source} if source else {})}
+    env = {k: v for k, v in os.environ.items() if k != "FUSEPASS_TEST_SOURCE"}
+    env.update({"FUSEPASS_TEST_SOURCE": source} if source else {})
     done = subprocess.run([sys.executable, "-c", env_code], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -53,6 +54,11 @@ def test_a_prepared_model_compiles_from_the_caches_in_a_second_process(tmp_path)
 def test_an_edited_prepared_linear_misses_the_caches(tmp_path):
     """A prepared linear traces as one node whose body the cache keys do not see: its source's
     hash is an argument of the node, so an edited ``integrations/linear.py`` misses them."""
+    import hashlib
+
+    from fusepass.integrations import linear
+
+    assert linear.SOURCE == hashlib.sha256(open(linear.__file__, "rb").read()).hexdigest()[:16]
     _compile_in_a_new_process(tmp_path)
     edited = _compile_in_a_new_process(tmp_path, source="edited")
     assert edited["aot"].get("autograd_cache_miss") == 1 and not edited["aot"].get("autograd_cache_hit"), edited["aot"]

@@ -303,7 +303,8 @@ def test_the_traced_form_computes_the_eager_forward(kind):
 
 def test_dynamo_traces_a_prepared_linear_as_one_node(bf16_model):
     """One ``fusepass.w8a8_linear`` node a converted linear, and none of its ops, for Dynamo
-    to trace (its compile time); AOTAutograd expands them."""
+    to trace (its compile time); AOTAutograd expands them. (On torch 2.11 this also checks
+    that export is told by its flag: there ``is_exporting()`` is True under torch.compile.)"""
     model, prep = _prepared(bf16_model, "int8")
     graphs = []
     fn = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=False)

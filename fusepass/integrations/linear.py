@@ -5,8 +5,9 @@ stay the checkpoint's own int8 / fp8 values and scales; the activation is quanti
 in the forward, as the source format prescribes (its ``Act``), then one ``fusepass.scaled_mm``
 (or ``scaled_mm_azp``, ``scaled_mm_blockwise``) call does the matmul and its whole epilogue.
 The forward runs in eager (the ops' CPU reference or CUDA kernels), and compiled as forms the
-pass fuses (``fusepass::w8a8_linear``, below); other backends run those forms as written,
-except asymmetric activations on CUDA at M <= 16 (``torch._int_mm``'s limit).
+pass fuses (``fusepass::w8a8_linear``, below; exported, the forms themselves); other backends
+run those forms as written, except asymmetric activations on CUDA at M <= 16
+(``torch._int_mm``'s limit).
 
 Sibling linears of one parent module with the same input width and scheme (a Llama
 attention's q/k/v/o, an MLP's gate/up) keep their weights in one ``Joint`` buffer each, rows
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -184,9 +184,10 @@ class W8A8Linear(nn.Module):
 # took twice bf16's. CompositeImplicitAutograd: AOTAutograd traces the op into the ATen forms
 # below, the graph the pass matches, as if the forward had been traced. Not part of the
 # ops' contract (``docs/OPS.md``): a way to trace, its schema free to change.
-# ``source``: this file's hash. The caches key the graph, which holds the node and not its
-# body: without it a second process would be served the forms of an older body.
-SOURCE = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+# ``source``: this file's hash. AOTAutograd's cache keys Dynamo's graph, which holds the node
+# and not its body: without it a second process would be served the forms of an older body.
+# (Under torch.export the forward traces those forms itself: no node.)
+SOURCE = hashlib.sha256(__loader__.get_data(__file__)).hexdigest()[:16]
 _LIB = torch.library.Library("fusepass", "FRAGMENT")
 _LIB.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? colsum, Tensor? bias, "
             "int lo, int hi, str kind, float divisor, float floor, str source) -> Tensor")
