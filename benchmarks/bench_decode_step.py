@@ -64,8 +64,8 @@ def kernel_family(name: str) -> str:
     nodes, count as "amax/clamp" with the activations' quantization (run 8)."""
     if any(k in name for k in ("attention", "sdpa", "flash", "fmha")):
         return "attention"
-    if any(k in name for k in ("scaled_mm_kernel", "scaled_mm_group_kernel", "scaled_gemv_kernel", "blockwise_mm_kernel", "nvjet",
-                                 "gemm", "cutlass")):
+    if any(k in name for k in ("scaled_mm_kernel", "scaled_mm_group_kernel", "scaled_gemv_kernel",
+                                 "blockwise_mm_kernel", "nvjet", "gemm", "cutlass")):
         return "gemm"
     if "amax" in name or "clamp" in name:
         return "amax/clamp"

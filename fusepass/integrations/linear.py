@@ -87,8 +87,9 @@ def quantize_rows(x: torch.Tensor, act: Act):
 # Llama's compiled call (a stand-in for the graph; 2-core CPU, torch 2.13): 0.41 -> 0.34 ms,
 # bf16's 0.27; on an H200 the host's part of a 32-layer step then matched bf16's (1.03 ms
 # each, where it had been 0.85 ms more; benchmarks/NOTES.md). The slots are there from the
-# start: Dynamo also guards the list's length, and a new Act filling a free slot must not recompile the models
-# compiled before it (past the last slot the list grows, and they recompile once).
+# start: Dynamo also guards the list's length, and a new Act filling a free slot must not
+# recompile the models compiled before it (past the last slot the list grows, and they
+# recompile once).
 ACTS: list[Act | None] = [None] * 64
 
 
@@ -159,9 +160,7 @@ class W8A8Linear(nn.Module):
             if exporting():
                 return _traced(*args, SOURCE)
             return torch.ops.fusepass.w8a8_linear(*args, SOURCE)
-        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        q, scale, zp = quantize_rows(x2, act)
-        w = j.weight[lo:hi].t()  # (K, N), column-major
+        q, scale, zp, w = _operands(x, j.weight, lo, hi, act)
         bias = None if j.bias is None else j.bias[lo:hi]
         if act.kind == "fp8-block":
             blocks = j.weight_scale[lo // BLOCK:hi // BLOCK]  # (N / 128, K / 128)
@@ -193,6 +192,12 @@ _LIB.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? c
             "int lo, int hi, str kind, float divisor, float floor, str source) -> Tensor")
 
 
+def _operands(x, weight, lo, hi, act: Act):
+    """``x``'s rows quantized by ``act`` (q (M, K), its scale, zero point or None) and rows
+    [lo, hi) of ``weight`` as (K, N), column-major: the forward's operands, eager or traced."""
+    return *quantize_rows(x.reshape(-1, x.shape[-1]), act), weight[lo:hi].t()
+
+
 def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor, source):
     """Rows [lo, hi) of the joint weight applied to ``x``, in plain ATen ops:
 
@@ -207,9 +212,7 @@ def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor,
 
     The pass turns each back into one op call with exact integer (or fp8) products, and
     ``passes/join.py`` joins siblings' calls on one activation."""
-    x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-    q, scale, zp = quantize_rows(x2, Act(kind, divisor, floor))
-    w = weight[lo:hi].t()  # (K, N)
+    q, scale, zp, w = _operands(x, weight, lo, hi, Act(kind, divisor, floor))
     if kind == "fp8-block":
         blocks = weight_scale[lo // BLOCK:hi // BLOCK]  # (N / 128, K / 128)
         a = (q.float().unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2)

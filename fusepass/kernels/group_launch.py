@@ -18,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .configs import Config, cdiv, fit, gemv_config, gemv_fills, select_config, sm_count
 from .direct import launcher
 from .group import scaled_mm_group_kernel
-from .launch import INTERPRETED, _flat, _per_element, _traced, on_device
+from .launch import INTERPRETED, _flat, _per_element, _traced, gemv_allowed, on_device
 
 MAX_MEMBERS = 4  # the kernel's member arguments
 
@@ -70,7 +70,7 @@ def launch_scaled_mm_group(
         raise ValueError("fusepass.scaled_mm_group: sizes must be static (the pass groups static decode sizes)")
     cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device,
                                  k_contiguous=bs[0].stride(0) == 1)
-    if cfg.gemv and (M != 1 or bs[0].stride(0) != 1):
+    if cfg.gemv and not gemv_allowed(a, bs[0]):
         raise ValueError(f"a gemv config needs M = 1 and weights contiguous along K, got M = {M}, "
                          f"strides {tuple(bs[0].stride())}")
     scale_a = _flat(scale_a, fake)
