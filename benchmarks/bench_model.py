@@ -11,7 +11,8 @@ at Llama-3-8B's size (32 layers, hidden 4096, intermediate 14336, 32/8 heads, vo
 ``fusepass.prepare`` and ``backend="fusepass"``; the same without ``prepare``; the
 hand-written form (``demo/handwritten.py``) under fusepass; a compressed-tensors checkpoint
 (W8A8, FP8_DYNAMIC) as transformers runs it (FP8 also loaded from disk with its
-``use_optimized_inference=True``), and through ``prepare`` and fusepass. Steps: prefill of ``--prefill``
+``use_optimized_inference=True``), and through ``prepare`` and fusepass (also W8A8 with
+asymmetric activations, and FP8_BLOCK). Steps: prefill of ``--prefill``
 tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64 against a
 ``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``), and
 eager (not compiled; ``compile_s`` is then the first call's time).
@@ -70,6 +71,8 @@ VARIANTS = {
     "ct-fp8": ("fp8", "compressed-tensors", "inductor", False),
     "ct-int8-fusepass": ("int8", "compressed-tensors", "fusepass", True),
     "ct-fp8-fusepass": ("fp8", "compressed-tensors", "fusepass", True),
+    "ct-int8-asym-fusepass": ("int8-asym", "compressed-tensors", "fusepass", True),
+    "ct-fp8-block-fusepass": ("fp8-block", "compressed-tensors", "fusepass", True),  # widths of 128s
     # the FP8_DYNAMIC checkpoint written to disk and loaded by transformers with
     # use_optimized_inference=True (row-wise F.scaled_mm on GPUs with fp8; elsewhere transformers
     # falls back to ct-fp8's route); in a process of its own (ALONE)

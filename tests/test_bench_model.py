@@ -49,6 +49,18 @@ def test_the_optimized_fp8_variant_is_a_checkpoint_loaded_back_by_transformers()
     assert 0 < (out - ref).abs().max() < 0.1 * ref.abs().max()
 
 
+@pytest.mark.parametrize(("variant", "kind"), [("ct-int8-asym-fusepass", "int8-asym"),
+                                               ("ct-fp8-block-fusepass", "fp8-block")])
+def test_the_other_checkpoint_schemes_are_prepared_whole(variant, kind):
+    pytest.importorskip("compressed_tensors")
+    import torch
+
+    base = models.random_llama(models.Sizes(1, 256, 512, 2, 1, 256), 32, torch.device("cpu"), 0)  # 128x128 blocks
+    said = []
+    bench.build(variant, base, log=said.append)
+    assert f"7 quantized linears converted ({kind} 7), 0 left as they are" in said[-1], said
+
+
 def test_the_eager_mode_runs_the_model_uncompiled(monkeypatch):
     monkeypatch.setattr(bench.torch, "compile", lambda *a, **k: pytest.fail("eager compiled the model"))
     rows = bench.run([1], ["bf16", "int8"], ["eager"], ["b1"], prefill=8, cache_len=32, calls=2, out=None,

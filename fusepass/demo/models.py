@@ -20,8 +20,9 @@ from torch import nn
 QUANTS = ("int8", "int8-asym", "fp8")
 QUANTIZERS = ("torchao", "handwritten", "compressed-tensors")
 # compressed-tensors' scheme for each --quant (llm-compressor's presets; int8-asym: W8A8 with
-# asymmetric dynamic activations, which the format takes but no preset names)
-CT_SCHEMES = {"int8": "W8A8", "int8-asym": "W8A8_ASYM", "fp8": "FP8_DYNAMIC"}
+# asymmetric dynamic activations, which the format takes but no preset names); fp8-block
+# (DeepSeek-V3's 128x128 weight blocks) for the benchmark only: torchao has no such --quant
+CT_SCHEMES = {"int8": "W8A8", "int8-asym": "W8A8_ASYM", "fp8": "FP8_DYNAMIC", "fp8-block": "FP8_BLOCK"}
 # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for
 # the whole process, which made each compile of the CUDA demo model minutes long (bf16 decode
 # step, 4 Llama-3-8B layers on an H200: 165 s vs 4 s) and changes the bf16 baseline's kernels
