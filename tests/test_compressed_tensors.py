@@ -25,7 +25,7 @@ from fusepass.demo import accuracy, models  # noqa: E402
 from tests import ct_checkpoints as ct  # noqa: E402
 
 KIND = {"W8A8": "int8", "W8A8_ASYM": "int8-asym", "FP8_DYNAMIC": "fp8", "FP8_BLOCK": "fp8-block"}
-PATTERNS = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token", "int_mm_azp_per_tensor"},
+PATTERNS = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token"},
             "fp8": {"dequant_mm"}, "fp8-block": {"dequant_mm_blockwise"}}
 
 
@@ -99,9 +99,8 @@ def test_every_quantized_linear_fuses(checkpoints, scheme, step, batch, device):
     found = dict(counters["fusepass"])
     joined = found.pop(JOINED, 0)
     assert set(found) <= PATTERNS[KIND[scheme]] and sum(found.values()) == ct.QUANTIZED_LINEARS, found
-    # (q/k/v and gate/up joined; not block-wise calls, nor per-tensor zero points: M = 1 int8-asym)
-    unjoined = "int_mm_azp_per_tensor" in found or scheme == "FP8_BLOCK"
-    assert joined == (0 if unjoined else 2 * ct.SIZES["num_hidden_layers"]), (joined, found)
+    # (q/k/v and gate/up joined; not block-wise calls)
+    assert joined == (0 if scheme == "FP8_BLOCK" else 2 * ct.SIZES["num_hidden_layers"]), (joined, found)
 
 
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "FP8_BLOCK"])

@@ -31,7 +31,7 @@ from fusepass.demo import models  # noqa: E402
 SIZES = models.Sizes(layers=2, hidden_size=128, intermediate_size=256, heads=4, kv_heads=2, vocab_size=512)
 LINEARS = 7 * SIZES.layers + 1  # q k v o gate up down per layer, and lm_head
 # the compile-time form each scheme's linears match (integrations/linear.py)
-PATTERN = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token", "int_mm_azp_per_tensor"}}
+PATTERN = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token"}}  # (also at M = 1: joinable)
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +108,7 @@ def test_prepared_model_fuses_every_linear_and_joins_siblings(bf16_model, quant,
     assert len(decisions) == LINEARS and all(d.fused for d in decisions), [d for d in decisions if not d.fused]
     joined = counts.pop(JOINED, 0)
     assert set(counts) <= PATTERN[quant] and sum(counts.values()) == LINEARS, counts
-    # q/k/v and gate/up; but at M = 1 a per-token zero point is per-tensor, whose azp_adj is
-    # computed in the graph: those calls are not joined
-    assert joined == (0 if "int_mm_azp_per_tensor" in counts else 2) * SIZES.layers, (joined, counts)
+    assert joined == 2 * SIZES.layers, (joined, counts)  # q/k/v and gate/up
     if eager is not None:  # (quantized activations round differently in the traced order)
         assert _rel(out, eager) < 0.05
 

@@ -88,7 +88,7 @@ def test_torchao_llama_generates_fused(bf16_model, quant, batch):
 # What a prepared model's linears match: fusepass.prepare's compile-time forms (integrations/linear.py).
 # At M = 1 a per-token zero point is a per-tensor one: its azp_adj (z * row sums) is computed
 # in the graph, and those calls are not joined.
-PREPARED = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token", "int_mm_azp_per_tensor"}, "fp8": {"dequant_mm"}}
+PREPARED = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token"}, "fp8": {"dequant_mm"}}
 
 
 @pytest.mark.parametrize("batch", [1, 16])
@@ -117,8 +117,7 @@ def test_prepared_llama_generates_fused(bf16_model, quant, batch):
     # prefill and decode: 7 linears a layer and lm_head each; q/k/v and gate/up joined
     joined = found.pop(JOINED, 0)
     assert set(found) <= PREPARED[quant] and sum(found.values()) == 2 * LINEARS, found
-    per_tensor = "int_mm_azp_per_tensor" in found
-    assert joined == (1 if per_tensor else 2) * 2 * SIZES.layers, (joined, found)
+    assert joined == 2 * 2 * SIZES.layers, (joined, found)
     _assert_same_tokens_or_near_tie(fused, eager)
     reference = accuracy.forced_logits(bf16_model.float(), ids, eager.tokens)
     bf16_model.bfloat16()

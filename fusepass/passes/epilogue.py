@@ -309,14 +309,19 @@ class _Walker:
         """``acc - term``: per-tensor (term is [N]) or per-token (term is azp[M,1] * adj[1,N]).
         Returns (azp, azp_adj); azp is None for the per-tensor form."""
         _check_device(term, self.device, "the zero-point term")
-        azp = None
-        if classify_or_none(term, shape) is Axis.COL:
+        azp, factors = None, None
+        if is_call(term, aten.mul.Tensor) and all(isinstance(t, fx.Node) for t in term.args[:2]):
+            factors = {classify_or_none(peel_expand(t), shape): peel_expand(t) for t in term.args[:2]}
+            if Axis.TENSOR in factors and all(provably_equal(d, 1) for d in shape[:-1]):
+                factors[Axis.ROW] = factors.pop(Axis.TENSOR)  # one row: a per-token zero point is one value
+        if factors is not None and set(factors) == {Axis.ROW, Axis.COL}:
+            # (before the per-tensor reading: at M = 1 the product is also a [1, N] term, but
+            # as one it is computed on every call, and siblings' stored row sums do not join)
+            azp, azp_adj = factors[Axis.ROW], factors[Axis.COL]
+        elif classify_or_none(term, shape) is Axis.COL:
             azp_adj = term
-        elif is_call(term, aten.mul.Tensor) and all(isinstance(t, fx.Node) for t in term.args[:2]):
-            axes = {classify_or_none(peel_expand(t), shape): peel_expand(t) for t in term.args[:2]}
-            if set(axes) != {Axis.ROW, Axis.COL}:
-                raise Rejected(f"the zero-point term ({describe(term)}) is not azp[M, 1] * azp_adj[1, N]")
-            azp, azp_adj = axes[Axis.ROW], axes[Axis.COL]
+        elif factors is not None:
+            raise Rejected(f"the zero-point term ({describe(term)}) is not azp[M, 1] * azp_adj[1, N]")
         else:
             raise Rejected(f"the zero-point term ({describe(term)}) is neither z * colsum [N] nor azp[M, 1] * azp_adj[1, N]")
         for t in (azp, azp_adj):

@@ -162,6 +162,27 @@ reshape_default_3: i32[40] = aten.reshape(view_1, [-1])
 scaled_mm_azp_default: f16[24, 40] = fusepass.scaled_mm_azp(a, b, reshape_default, reshape_default_1, f16, reshape_default_3, reshape_default_2, bias)
 return [scaled_mm_azp_default]""")
 
+    def test_row5_at_one_row_keeps_the_zero_point_apart(self):
+        """At M = 1 ``azp[1, 1] * adj[1, N]`` is also a [1, N] term; read as per-token, the op
+        takes the stored ``adj`` (siblings' slices of one buffer then join) instead of a product
+        computed on every call."""
+        def f(a, b, sa, sb, azp, adj):
+            acc = torch._int_mm(a, b) - azp.view(-1, 1) * adj.view(1, -1)
+            return (acc.float() * sa * sb).to(torch.bfloat16)
+
+        a, w, sa, sb = i8(1, K), i8(N, K, seed=1), scale(1, 1), scale(1, N, seed=2)
+        azp, adj = torch.tensor([7], dtype=torch.int32), w.sum(1, dtype=torch.int32)
+        ref = (acc64(a, w.t()) - 7 * adj.double()) * sa.double() * sb.double()
+        self.assertExpectedInline(self.check(f, (a, w.t(), sa, sb, azp, adj), ref, "int_mm_azp_per_token"), """\
+view: i32[1, 1] = aten.view(azp, [-1, 1])
+view_1: i32[1, 40] = aten.view(adj, [1, -1])
+reshape_default: f32[40] = aten.reshape(sb, [-1])
+reshape_default_1: f32[] = aten.reshape(sa, [])
+reshape_default_2: i32[1] = aten.reshape(view, [-1])
+reshape_default_3: i32[40] = aten.reshape(view_1, [-1])
+scaled_mm_azp_default: bf16[1, 40] = fusepass.scaled_mm_azp(a, b, reshape_default_1, reshape_default, bf16, reshape_default_3, reshape_default_2, None)
+return [scaled_mm_azp_default]""")
+
     @pytest.mark.skipif(torch.__version__ < "2.12", reason="torch._int_mm takes uint8 activations from 2.12 on")
     def test_u8s8_shift_cancels_and_an_asymmetric_zero_point_follows(self):
         """torchao 0.18's CPU form on AVX512-VNNI without AMX (``_int_scaled_matmul_cpu``):
