@@ -61,6 +61,17 @@ def test_the_other_checkpoint_schemes_are_prepared_whole(variant, kind):
     assert f"7 quantized linears converted ({kind} 7), 0 left as they are" in said[-1], said
 
 
+def test_block_wise_needs_whole_blocks_and_compressed_tensors():
+    pytest.importorskip("compressed_tensors")
+    import torch
+
+    base = models.random_llama(SMALL, 32, torch.device("cpu"), 0)  # (hidden 128, k/v 64 wide)
+    with pytest.raises(ValueError, match=r"FP8_BLOCK: Linear weight \(64, 128\) is not whole 128x128 blocks"):
+        bench.build("ct-fp8-block-fusepass", base, log=lambda _: None)
+    with pytest.raises(ValueError, match="fp8-block: compressed-tensors only"):
+        models.quantized_copy(base, "fp8-block", "torchao")
+
+
 def test_the_eager_mode_runs_the_model_uncompiled(monkeypatch):
     monkeypatch.setattr(bench.torch, "compile", lambda *a, **k: pytest.fail("eager compiled the model"))
     rows = bench.run([1], ["bf16", "int8"], ["eager"], ["b1"], prefill=8, cache_len=32, calls=2, out=None,

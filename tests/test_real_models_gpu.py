@@ -86,8 +86,6 @@ def test_torchao_llama_generates_fused(bf16_model, quant, batch):
 
 
 # What a prepared model's linears match: fusepass.prepare's compile-time forms (integrations/linear.py).
-# At M = 1 a per-token zero point is a per-tensor one: its azp_adj (z * row sums) is computed
-# in the graph, and those calls are not joined.
 PREPARED = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token"}, "fp8": {"dequant_mm"}}
 
 

@@ -169,6 +169,9 @@ def compressed_tensors(model: nn.Module, scheme: str):
         w = m.weight.data.float()
         if str(args.strategy) == "block":  # (min and max per block: weights of whole blocks here)
             rows, cols = args.block_structure
+            if w.shape[0] % rows or w.shape[1] % cols:
+                raise ValueError(f"{scheme}: {type(m).__name__} weight {tuple(w.shape)} is not whole {rows}x{cols} "
+                                 f"blocks (sizes of the model: multiples of {rows})")
             w = w.unflatten(0, (-1, rows)).unflatten(-1, (-1, cols)).transpose(1, 2).flatten(-2)
             lo, hi = w.amin(-1), w.amax(-1)
         else:
@@ -203,6 +206,8 @@ def quantized_copy(model: nn.Module, quant: str, quantizer: str) -> nn.Module:
     if quantizer == "compressed-tensors":
         compressed_tensors(qmodel, CT_SCHEMES[quant])
         return qmodel
+    if quant not in QUANTS:
+        raise ValueError(f"{quant}: compressed-tensors only (torchao's: {', '.join(QUANTS)})")
     with quiet_imports():
         from torchao.quantization import (
             Float8DynamicActivationFloat8WeightConfig,

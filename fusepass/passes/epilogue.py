@@ -306,20 +306,23 @@ class _Walker:
         return lambda: (setattr(ep, "azp", azp), setattr(ep, "azp_adj", azp_adj))
 
     def zero_point(self, term, shape):
-        """``acc - term``: per-tensor (term is [N]) or per-token (term is azp[M,1] * adj[1,N]).
-        Returns (azp, azp_adj); azp is None for the per-tensor form."""
+        """``acc - term``: per-token (term is azp[M, 1] * adj[1, N]) or per-tensor (term is [N]).
+        Returns (azp, azp_adj); azp is None for the per-tensor form. At one row (M = 1) a
+        per-tensor zero point times [1, N] row sums is a [1, N] term too: read as per-token
+        where both factors can be the op's operands, the op takes the row sums as stored
+        (siblings' slices of one buffer then join) instead of a product computed every call."""
         _check_device(term, self.device, "the zero-point term")
-        azp, factors = None, None
+        factors = None
         if is_call(term, aten.mul.Tensor) and all(isinstance(t, fx.Node) for t in term.args[:2]):
             factors = {classify_or_none(peel_expand(t), shape): peel_expand(t) for t in term.args[:2]}
             if Axis.TENSOR in factors and all(provably_equal(d, 1) for d in shape[:-1]):
                 factors[Axis.ROW] = factors.pop(Axis.TENSOR)  # one row: a per-token zero point is one value
-        if factors is not None and set(factors) == {Axis.ROW, Axis.COL}:
-            # (before the per-tensor reading: at M = 1 the product is also a [1, N] term, but
-            # as one it is computed on every call, and siblings' stored row sums do not join)
+        per_tensor = classify_or_none(term, shape) is Axis.COL
+        if factors is not None and set(factors) == {Axis.ROW, Axis.COL} and (
+                not per_tensor or all(map(self.operand, factors.values()))):
             azp, azp_adj = factors[Axis.ROW], factors[Axis.COL]
-        elif classify_or_none(term, shape) is Axis.COL:
-            azp_adj = term
+        elif per_tensor:
+            azp, azp_adj = None, term
         elif factors is not None:
             raise Rejected(f"the zero-point term ({describe(term)}) is not azp[M, 1] * azp_adj[1, N]")
         else:
@@ -328,6 +331,13 @@ class _Walker:
             if t is not None:
                 self.check_zero_point(t)
         return azp, azp_adj
+
+    def operand(self, t) -> bool:
+        """Whether ``t`` can be a zero-point operand of the op (``check_zero_point`` passes):
+        a tensor on the matmul's device (not a SymInt, nor a CPU scalar), integer or fp32."""
+        val = t.meta.get("val")
+        return (isinstance(val, torch.Tensor) and not is_number(t) and val.device == self.device
+                and val.dtype in INT_DTYPES + (torch.float32,))
 
     def check_zero_point(self, t) -> None:
         if tensor_val(t).dtype not in INT_DTYPES + (torch.float32,):

@@ -183,6 +183,21 @@ reshape_default_3: i32[40] = aten.reshape(view_1, [-1])
 scaled_mm_azp_default: bf16[1, 40] = fusepass.scaled_mm_azp(a, b, reshape_default_1, reshape_default, bf16, reshape_default_3, reshape_default_2, None)
 return [scaled_mm_azp_default]""")
 
+    def test_row4_at_one_row_where_a_factor_cannot_be_an_operand(self):
+        """The one-row reading of row 5 needs both factors as op operands; a CPU scalar zero
+        point (a number to eager broadcasting) or a bf16 one stays the per-tensor product."""
+        def f(a, b, sa, sb, z, colsum):
+            acc = torch._int_mm(a, b) - z * colsum.view(1, -1)
+            return (acc.float() * sa * sb).to(torch.bfloat16)
+
+        a, w, sa, sb = i8(1, K), i8(N, K, seed=1), scale(1, 1), scale(1, N, seed=2)
+        colsum = w.sum(1, dtype=torch.int32)
+        for z in (torch.tensor(7, dtype=torch.int32), torch.full((1, 1), 7.0, dtype=torch.bfloat16)):
+            with self.subTest(z=str(z.dtype)):  # (a str: pytest-xdist cannot send a dtype)
+                ref = (acc64(a, w.t()) - 7 * colsum.double()) * sa.double() * sb.double()
+                self.check(f, (a, w.t(), sa, sb, z, colsum.float() if z.is_floating_point() else colsum), ref,
+                           "int_mm_azp_per_tensor")
+
     @pytest.mark.skipif(torch.__version__ < "2.12", reason="torch._int_mm takes uint8 activations from 2.12 on")
     def test_u8s8_shift_cancels_and_an_asymmetric_zero_point_follows(self):
         """torchao 0.18's CPU form on AVX512-VNNI without AMX (``_int_scaled_matmul_cpu``):
