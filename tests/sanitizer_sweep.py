@@ -14,8 +14,10 @@ import torch
 
 import fusepass
 from fusepass.kernels import launch_scaled_mm
-from fusepass.kernels.configs import Config, gemv_config
+from fusepass.kernels.configs import Config, gemv_config, sm_count
+from fusepass.kernels.launch import launch_gemv_quantized
 from fusepass.kernels.group_launch import launch_scaled_mm_group
+from fusepass.ops.dynamic import quantize_rows
 from tests.helpers import assert_matches_oracle, make_problem
 
 # M: every bucket and its edges (1100: the persistent kernel's buckets); N and K: below one
@@ -88,6 +90,17 @@ def path_cases() -> int:
             p.a, p.scale_a = a, scale_a
             assert_matches_oracle(out, p, torch.float32)
         n += 1
+    eps = torch.finfo(torch.float32).eps
+    for (N, K), dtype in itertools.product(GEMV_NK, (torch.int8, torch.float8_e4m3fn)):  # the row quantized in it
+        p = make_problem(1, N, K, dtype, device="cuda", seed=n, bias_dtype=torch.bfloat16)
+        x = torch.randn((1, K), device="cuda", generator=torch.Generator("cuda").manual_seed(n)).to(torch.bfloat16)
+        divisor = 127.5 if dtype == torch.int8 else 448.0
+        out = launch_gemv_quantized(x, p.b, p.scale_b, torch.float32, p.bias, divisor, eps)
+        q, s = quantize_rows(x, dtype, divisor, eps)
+        ref = launch_scaled_mm(q, p.b, s, p.scale_b, torch.float32, p.bias, config=gemv_config(N, K, sm_count(x.device)))
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref), (N, K, dtype)
+        n += 1
     return n
 
 
@@ -100,7 +113,8 @@ def main() -> int:
     n = (ops_cases() if "ops" in parts else 0) + (path_cases() if "paths" in parts else 0)
     print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} "
           f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel on each of "
-          f"{len(GEMV_NK)} (N, K) x variant, alone, and grouped without zero points), all match the oracle")
+          f"{len(GEMV_NK)} (N, K) x variant, alone, grouped without zero points, and quantizing its own row "
+          f"(int8, fp8: bitwise the quantization then the kernel)), all match")
     return 0
 
 

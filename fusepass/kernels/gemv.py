@@ -29,19 +29,58 @@ from .scaled_mm import _epilogue
 
 
 @triton.jit
+def row_scale(
+    a_ptr, K, stride_ak, divisor, floor,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr,
+):
+    """The per-token scale of the float row ``a`` (1, K): ``max(amax / divisor, floor)``
+    (QUANT 1, int8) or ``max(amax, floor) / divisor`` (QUANT 2, fp8), in fp32 with correctly
+    rounded divisions, as ``ops.dynamic.quantize_rows`` computes it."""
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+        if EVEN_K:
+            x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak)
+        else:
+            x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    amax_row = tl.max(amax, axis=0)
+    # (one return: Triton types every return of a function, constexpr branches included)
+    if QUANT == 1:
+        scale = tl.maximum(tl.div_rn(amax_row, divisor), floor)
+    else:
+        scale = tl.div_rn(tl.maximum(amax_row, floor), divisor)
+    return scale
+
+
+@triton.jit
+def _quantized(x, x_scale, QUANT: tl.constexpr):
+    """A block of the float row quantized by ``x_scale``: int8 values (as fp32; rounded half
+    to even by the 1.5 * 2**23 shift, exact for |v| <= 128) or e4m3."""
+    v = tl.div_rn(x.to(tl.float32), x_scale)
+    if QUANT == 1:
+        q = (tl.clamp(v, -128.0, 127.0) + 12582912.0) - 12582912.0
+    else:
+        q = tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
 def gemv_rows(
     pid_n,  # this program's block of BLOCK_N rows of b.T
     a_ptr, b_ptr,  # (1, K), (K, N) with unit stride along K
     N, K, stride_ak, stride_bn,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
+    x_scale,  # QUANT: the float row's scale (row_scale); else unused
+    QUANT: tl.constexpr,  # 0: a is b's dtype; 1 / 2: a float row quantized to int8 / e4m3 here
 ):
     """The main loop: (acc (BLOCK_N,) of a @ b's columns, their indices cols (BLOCK_N,),
     offs_n: cols with ragged ones read as column 0). Also ``group.py``'s, at M = 1."""
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_n = tl.where(cols < N, cols, 0).to(tl.int64)  # ragged N: row 0 again, masked at the store
     row_starts = b_ptr + offs_n * stride_bn  # (BLOCK_N,): the rows of b.T
-    is_int8: tl.constexpr = a_ptr.dtype.element_ty == tl.int8
+    is_int8: tl.constexpr = b_ptr.dtype.element_ty == tl.int8
     acc_dtype: tl.constexpr = tl.int32 if is_int8 else tl.float32
     acc = tl.zeros((BLOCK_N,), dtype=acc_dtype)
     # The addresses are computed afresh each block, as offsets known to be contiguous and
@@ -55,6 +94,8 @@ def gemv_rows(
             # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
             w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
             x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
+        if QUANT != 0:
+            x = _quantized(x, x_scale, QUANT)
         acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
     return acc, cols, offs_n
 
@@ -63,25 +104,39 @@ def gemv_rows(
 def scaled_gemv_kernel(
     # Operands
     a_ptr, b_ptr, out_ptr,  # (1, K), (K, N) with unit stride along K, (1, N)
-    scale_a_ptr, scale_b_ptr,  # (1,), (N,) or (1,); fp32, bf16 or fp16
+    scale_a_ptr, scale_b_ptr,  # (1,) (None where QUANT), (N,) or (1,); fp32, bf16 or fp16
     bias_ptr, azp_adj_ptr, azp_ptr,  # (N,), (N,), (1,); None when unused
     # Sizes and strides
     N, K,
     stride_ak, stride_bn, stride_on,
+    divisor, floor,  # QUANT: row_scale's
     # Epilogue variant (as scaled_mm_kernel's)
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
     # Tiling
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
+    QUANT: tl.constexpr = 0,  # 1 / 2: a is a float row, quantized per token here to int8 / e4m3
 ):
+    x_scale = 1.0
+    if QUANT != 0:  # (each program reads the row twice more, from L2: its amax, then its blocks)
+        x_scale = row_scale(a_ptr, K, stride_ak, divisor, floor, BLOCK_K, EVEN_K, QUANT)
     acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
-                                  BLOCK_N, BLOCK_K, EVEN_K)
+                                  BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
-    x = _epilogue(
-        acc[None, :], rows, offs_n,
-        scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
-        SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,
-    )
+    if QUANT != 0:  # the scale in a register: scaled_mm_kernel's epilogue order, written out
+        x = acc[None, :].to(tl.float32) * x_scale
+        if SCALE_B_PER_CHANNEL:
+            x = x * tl.load(scale_b_ptr + offs_n).to(tl.float32)[None, :]
+        else:
+            x = x * tl.load(scale_b_ptr).to(tl.float32)
+        if HAS_BIAS:
+            x = x + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+    else:
+        x = _epilogue(
+            acc[None, :], rows, offs_n,
+            scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
+            SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,
+        )
     tl.store(out_ptr + cols[None, :] * stride_on, x.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)

@@ -24,6 +24,7 @@ from .graph import Rejected, aten, location, module_path
 from .group import NAME as GROUPED, group_siblings
 from .join import NAME as JOINED, join_siblings
 from .lower import lower
+from .quantize_in import NAME as QUANTIZED_IN, quantize_in_gemv
 from .patterns import PATTERNS
 from .rewrite import emit
 from .route import ROUTED, needs_route, route
@@ -69,6 +70,9 @@ class PassConfig:
     # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
     # buffers) run as one matmul over their union (passes/join.py), at every M.
     join_siblings: bool = True
+    # At M = 1, an activation from attention (a multi-output op) quantized inside the M = 1
+    # kernel, not by a kernel of its own before it (passes/quantize_in.py).
+    quantize_in_gemv: bool = True
 
     def __post_init__(self):
         unknown = set(self.patterns) - set(PATTERNS)
@@ -143,8 +147,16 @@ class FusePass(CustomGraphPass):
             for names in group_siblings(graph, self.config.group_max_m, gemv_only=splits):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
-        if joined or any(d.fused or d.rerouted for d in decisions):
+        changed = joined or any(d.fused or d.rerouted for d in decisions)
+        if changed:
+            graph.eliminate_dead_code()  # (the rewritten matmuls' old forms: users of the quantized rows)
+        quantized = self.config.quantize_in_gemv and quantize_in_gemv(graph)
+        for name in quantized or ():
+            count(QUANTIZED_IN)
+            log.debug("fusepass: %s quantizes its activation in its own launch", name)
+        if quantized:
             graph.eliminate_dead_code()
+        if changed or quantized:
             graph.lint()
         return decisions
 

@@ -1,0 +1,113 @@
+"""The op ``fusepass::scaled_mm_dynamic``: a float activation quantized per token, then
+``scaled_mm``, as one op.
+
+    q, scale_a = quantize_rows(x, b.dtype, divisor, floor)
+    out = scaled_mm(q, b, scale_a, scale_b, out_dtype, bias)
+
+``quantize_rows``, in fp32 with correctly rounded divisions (torchao's and compressed-tensors'
+dynamic per-token recipes, as ``fusepass.prepare``'s modules quantize):
+
+- ``b`` int8: ``scale = max(amax / divisor, floor)``, ``q = clamp(round(x / scale), -128, 127)``
+  (round half to even; ``divisor`` 127.5 for torchao and compressed-tensors);
+- ``b`` float8_e4m3fn: ``scale = max(amax, floor) / divisor``, ``q = clamp(x / scale, -448,
+  448)`` cast to e4m3 (``divisor`` 448).
+
+Arguments: ``x`` [M, K] bfloat16, float16 or float32; ``b``, ``scale_b``, ``out_dtype`` and
+``bias`` as ``scaled_mm``'s (``fusepass/ops/scaled_mm.py``); ``divisor`` > 0, ``floor`` >= 0.
+Returns a new contiguous [M, N] tensor of ``out_dtype``.
+
+Why an op of its own: at M = 1 (decode at batch 1) on CUDA, with ``b = w.t()``, the M = 1
+kernel quantizes the row itself (``kernels/gemv.py``, QUANT: each program reads the row's
+amax, then its blocks, from L2), so no quantization kernel runs before it: one launch a call
+fewer. Elsewhere (other M, other layouts, the CPU) it quantizes with the ATen ops above and
+runs ``scaled_mm``; traced, Inductor fuses that quantization into its own kernels as before.
+The pass makes these calls only where the activation comes from an op Inductor cannot fuse
+the quantization into (``passes/quantize_in.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.library import triton_op
+
+from ..kernels.launch import gemv_quantizes, launch_gemv_quantized
+from .checks import (INPUT_DTYPES, MAX_K_INT8, OUT_DTYPES, _check_bias, _check_k, _check_scale, _check_tensor, _describe,
+                     check_gpu, check_out_dtype)
+from .scaled_mm import IMPLS, _compute, _plain_eager
+
+Tensor = torch.Tensor
+OP = "fusepass.scaled_mm_dynamic"
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float) -> tuple[Tensor, Tensor]:
+    """``x`` (M, K) quantized per row to ``dtype`` (int8 or float8_e4m3fn): (q, scale (M, 1) fp32).
+    The int8 and fp8 forms of ``integrations/linear.quantize_rows`` (a test holds them equal),
+    written again there: a prepared linear's traced body keys AOTAutograd's cache by that file
+    alone."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    if dtype == torch.float8_e4m3fn:
+        scale = amax.clamp(min=floor) / divisor
+        return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    scale = (amax / divisor).clamp(min=floor)
+    return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
+
+
+def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor) -> None:
+    """Validate the arguments (``scaled_mm``'s checks, ``x`` in place of ``a`` and ``scale_a``)."""
+    _check_tensor(OP, "x", x, X_DTYPES)
+    _check_tensor(OP, "b", b, INPUT_DTYPES)
+    if x.dim() != 2 or b.dim() != 2 or b.shape[0] != x.shape[1]:
+        raise ValueError(f"{OP}: `x` must be [M, K] and `b` [K, N]; got x {_describe(x)}, b {_describe(b)}")
+    check_out_dtype(OP, out_dtype)
+    if not (isinstance(divisor, (int, float)) and divisor > 0 and isinstance(floor, (int, float)) and floor >= 0):
+        raise ValueError(f"{OP}: `divisor` must be > 0 and `floor` >= 0; got {divisor!r}, {floor!r}")
+    K, N = b.shape
+    _check_scale(OP, "scale_b", scale_b, N, 1)
+    tensors = {"b": b, "scale_b": scale_b}
+    _check_bias(OP, bias, N, tensors)
+    for name, t in tensors.items():
+        if t.device != x.device:
+            raise ValueError(f"{OP}: all tensors must be on one device; `x` is on {x.device} but `{name}` is on {t.device}")
+    if b.dtype == torch.int8:
+        _check_k(OP, K, MAX_K_INT8)
+    check_gpu(OP, x.device, b.dtype)
+
+
+def scaled_mm_dynamic_impl(
+    x: Tensor,
+    b: Tensor,
+    scale_b: Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[Tensor] = None,
+    divisor: float = 127.5,
+    floor: float = torch.finfo(torch.float32).eps,
+) -> Tensor:
+    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor)
+    if x.device.type == "cuda" and x.shape[1] > 0 and gemv_quantizes(x, b):
+        return launch_gemv_quantized(x, b, scale_b, out_dtype, bias, divisor, floor)
+    q, scale_a = quantize_rows(x, b.dtype, divisor, floor)
+    return _compute(q, b, scale_a, scale_b, out_dtype, bias)
+
+
+triton_op("fusepass::scaled_mm_dynamic", scaled_mm_dynamic_impl, mutates_args=())
+IMPLS[torch.ops.fusepass.scaled_mm_dynamic.default] = scaled_mm_dynamic_impl  # lowered as the others
+
+
+@torch.library.register_fake("fusepass::scaled_mm_dynamic")
+def _scaled_mm_dynamic_fake(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
+                            floor=torch.finfo(torch.float32).eps):
+    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor)
+    return x.new_empty((x.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def scaled_mm_dynamic(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
+                      floor=torch.finfo(torch.float32).eps) -> Tensor:
+    """``x`` (float [M, K]) quantized per token to ``b``'s dtype, then ``scaled_mm``: see the
+    module docstring. Same as ``torch.ops.fusepass.scaled_mm_dynamic``."""
+    if out_dtype not in OUT_DTYPES or not _plain_eager(x, b, scale_b, bias):
+        return torch.ops.fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, divisor, floor)
+    return scaled_mm_dynamic_impl(x, b, scale_b, out_dtype, bias, divisor, floor)

@@ -1,0 +1,126 @@
+"""Quantize a decode activation inside the M = 1 kernel where no other kernel can.
+
+Matches: a ``fusepass.scaled_mm`` call at a static M = 1, ``b`` stored as ``w.t()``, whose
+``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and used by nothing
+else, in the ATen forms ``ops.dynamic.quantize_rows`` traces (a ``fusepass.prepare``d linear
+traces the same):
+
+- int8: ``clamp_max(clamp_min(round(xf / s), -128), 127).to(int8)``,
+  ``s = clamp_min(amax(abs(xf), -1) / D, F)``;
+- e4m3: ``clamp_max(clamp_min(xf / s, -448), 448).to(float8_e4m3fn)``,
+  ``s = clamp_min(amax(abs(xf), -1), F) / D``;
+
+(``xf`` is ``x`` cast to fp32, or ``x``), where ``x`` comes through views from an output of a
+multi-output op (a ``getitem``: attention), which runs as a kernel of its own that Inductor
+cannot fuse the quantization into.
+
+Becomes: ``fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, D, F)``; on CUDA the
+M = 1 kernel quantizes the row itself (``kernels/gemv.py``). A Llama layer's o_proj: the one
+quantization kernel of a decode layer that Inductor launches on its own (q/k/v's and gate/up's
+fuse into the RMSNorm kernel, down_proj's into the SiLU-mul one). Why: a default-mode decode
+step is bound by its launches (``benchmarks/NOTES.md`` run 25, step 4); this is one of a
+layer's 17.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
+from .graph import VIEW_OPS, Inserter, aten, cast_dtype, is_call, schema_args, tensor_val
+
+fusepass = torch.ops.fusepass
+NAME = "quantized_in_gemv"
+_PASSING = (*VIEW_OPS, aten.permute.default, aten.clone.default, aten.unsqueeze.default, aten.squeeze.dim)
+
+
+def _one_arg(node, target, *consts):
+    """``x`` where ``node`` is ``target(x, *consts)``, else None."""
+    if is_call(node, target) and list(node.args[1:]) == list(consts):
+        return node.args[0]
+    return None
+
+
+def _amax_of(node):
+    """``xf`` where ``node`` is ``amax(abs(xf), [-1], True)``, else None."""
+    if not is_call(node, aten.amax.default) or list(node.args[1:]) not in ([[-1], True], [[1], True]):
+        return None
+    return node.args[0].args[0] if is_call(node.args[0], aten.abs.default) else None
+
+
+def _scale(s, fp8: bool):
+    """(xf, D, F) where ``s`` is the int8 / e4m3 per-token scale of ``xf``, else None."""
+    if fp8:
+        if not (is_call(s, aten.div.Tensor) and isinstance(s.args[1], float)):
+            return None
+        low = s.args[0]
+        if not (is_call(low, aten.clamp_min.default) and isinstance(low.args[1], float)):
+            return None
+        xf = _amax_of(low.args[0])
+        return None if xf is None else (xf, s.args[1], low.args[1])
+    if not (is_call(s, aten.clamp_min.default) and isinstance(s.args[1], float)):
+        return None
+    div = s.args[0]
+    if not (is_call(div, aten.div.Tensor) and isinstance(div.args[1], float)):
+        return None
+    xf = _amax_of(div.args[0])
+    return None if xf is None else (xf, div.args[1], s.args[1])
+
+
+def _quantization(a):
+    """(x, s, D, F) where ``a`` is the quantized row (module docstring), else None."""
+    fp8 = cast_dtype(a) == torch.float8_e4m3fn
+    if not fp8 and cast_dtype(a) != torch.int8:
+        return None
+    lo, hi = (-448.0, 448.0) if fp8 else (-128, 127)
+    v = _one_arg(_one_arg(a.args[0], aten.clamp_max.default, hi), aten.clamp_min.default, lo)
+    if not fp8:
+        v = _one_arg(v, aten.round.default)
+    if not is_call(v, aten.div.Tensor) or not isinstance(v.args[1], fx.Node):
+        return None
+    found = _scale(v.args[1], fp8)
+    if found is None or found[0] is not v.args[0]:
+        return None
+    xf, divisor, floor = found
+    x = xf.args[0] if cast_dtype(xf) == torch.float32 else xf
+    if tensor_val(x).dtype not in (torch.bfloat16, torch.float16, torch.float32) or tensor_val(xf).dtype != torch.float32:
+        return None
+    return x, v.args[1], divisor, floor
+
+
+def _from_multi_output(x) -> bool:
+    """``x`` is (through views) an output of a multi-output op: a ``getitem``."""
+    while is_call(x, *_PASSING):
+        x = x.args[0]
+    return is_call(x, operator.getitem)
+
+
+def _peel(node):
+    while is_call(node, *VIEW_OPS):
+        node = node.args[0]
+    return node
+
+
+def quantize_in_gemv(graph: fx.Graph) -> list[str]:
+    """Rewrite each matching call (module docstring); returns the names of those replaced."""
+    done = []
+    for node in list(graph.find_nodes(op="call_function", target=fusepass.scaled_mm.default)):
+        a, b, scale_a, scale_b, out_dtype, bias = schema_args(node)
+        if not (statically_known_true(tensor_val(a).shape[0] == 1) and statically_known_true(tensor_val(b).stride(0) == 1)
+                and len(a.users) == 1):
+            continue
+        found = _quantization(a)
+        if found is None or _peel(scale_a) is not found[1] or not _from_multi_output(found[0]):
+            continue
+        x, _, divisor, floor = found
+        ins = Inserter(graph, node)
+        new = ins.call(fusepass.scaled_mm_dynamic.default, x, b, scale_b, out_dtype, bias, divisor, floor)
+        new.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        done.append(node.name)
+    return done

@@ -1,0 +1,93 @@
+"""fusepass.scaled_mm_dynamic: the quantization of prepare's modules then scaled_mm, on the CPU
+reference, the M = 1 kernel quantizing its own row (interpreter / GPU), opcheck, bad inputs."""
+
+import pytest
+import torch
+
+import fusepass
+from fusepass.integrations.linear import SCALE_EPS, Act
+from fusepass.integrations.linear import quantize_rows as module_rows
+from fusepass.kernels import configs, launch
+from fusepass.kernels.configs import gemv_config
+from fusepass.ops.dynamic import quantize_rows, scaled_mm_dynamic
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+I8, F8, BF16 = torch.int8, torch.float8_e4m3fn, torch.bfloat16
+DIVISOR = {I8: 127.5, F8: 448.0}
+
+
+def _problem(N, K, dtype, x_dtype=BF16, scale=3.0, seed=0, device=DEVICE):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, K, generator=g) * scale).to(x_dtype)
+    w = (torch.randn(N, K, generator=g) * 40).clamp(-127, 127).to(dtype) if dtype == I8 else \
+        torch.randn(N, K, generator=g).to(dtype)
+    sb, bias = torch.rand(N, generator=g) * 0.01, torch.randn(N, generator=g).to(BF16)
+    return tuple(t.to(device) for t in (x, w.t(), sb, bias))
+
+
+@pytest.mark.parametrize("kind,dtype", [("int8", I8), ("fp8", F8)])
+def test_the_quantization_is_a_prepared_modules(kind, dtype):
+    x = torch.randn(3, 300, dtype=BF16) * torch.tensor([[1e-9], [1.0], [50.0]]).to(BF16)
+    q, s = quantize_rows(x, dtype, DIVISOR[dtype], SCALE_EPS)
+    mq, ms, _ = module_rows(x, Act(kind, DIVISOR[dtype]) if kind == "int8" else Act(kind))
+    assert torch.equal(q.view(torch.int8), mq.view(torch.int8)) and torch.equal(s, ms)
+
+
+@pytest.mark.parametrize("dtype", [I8, pytest.param(F8, marks=pytest.mark.gpu)], ids=["int8", "fp8"])
+@pytest.mark.parametrize("N,K", [(17, 33), (100, 1000), (64, 2048), (24, 4096 + 512)])
+@pytest.mark.parametrize("x_dtype,scale", [(BF16, 3.0), (torch.float32, 3.0), (BF16, 1e-9)])
+def test_the_m1_kernel_quantizing_its_row_is_the_quantization_then_the_kernel(dtype, N, K, x_dtype, scale):
+    """Bitwise: the same fp32 divisions and rounding in the kernel as in ``quantize_rows``. fp8 on
+    a GPU only: Triton's interpreter casts fp32 to e4m3 wrongly where the rounding carries into
+    the exponent (-31.6 to -16, not -32)."""
+    x, b, sb, bias = _problem(N, K, dtype, x_dtype, scale)
+    q, s = quantize_rows(x, dtype, DIVISOR[dtype], SCALE_EPS)
+    cfg = gemv_config(N, K, configs.sm_count(x.device))
+    ref = launch.launch_scaled_mm(q, b, s, sb, BF16, bias, config=cfg)
+    out = launch.launch_gemv_quantized(x, b, sb, BF16, bias, DIVISOR[dtype], SCALE_EPS)
+    assert torch.equal(out, ref)
+
+
+def test_the_op_is_the_quantization_then_scaled_mm():
+    x, b, sb, bias = _problem(4096, 512, I8, device="cpu")
+    q, s = quantize_rows(x, I8, 127.5, SCALE_EPS)
+    want = fusepass.scaled_mm(q, b, s, sb, BF16, bias)
+    assert torch.equal(scaled_mm_dynamic(x, b, sb, BF16, bias, 127.5, SCALE_EPS), want)
+    assert torch.equal(torch.ops.fusepass.scaled_mm_dynamic(x, b, sb, BF16, bias, 127.5, SCALE_EPS), want)
+    x2 = torch.cat([x, -x])  # (M = 2: the same on each row)
+    assert torch.equal(scaled_mm_dynamic(x2, b, sb, BF16, bias)[0], want[0])
+
+
+@pytest.mark.gpu
+def test_the_op_takes_the_quantizing_kernel_at_one_row_on_cuda(monkeypatch):
+    x, b, sb, bias = _problem(4096, 4096, I8)
+    taken = []
+    real = launch.launch_gemv_quantized
+    monkeypatch.setattr("fusepass.ops.dynamic.launch_gemv_quantized", lambda *a: taken.append(1) or real(*a))
+    q, s = quantize_rows(x, I8, 127.5, SCALE_EPS)
+    assert torch.equal(scaled_mm_dynamic(x, b, sb, BF16, bias), fusepass.scaled_mm(q, b, s, sb, BF16, bias))
+    assert taken == [1]
+
+
+def test_opcheck():
+    x, b, sb, bias = _problem(48, 160, I8, device="cpu")
+    for args in ((x, b, sb, BF16, bias, 127.5, SCALE_EPS), (x.repeat(3, 1), b, sb.view(1, -1), torch.float32, None, 127.0, 0.0)):
+        torch.library.opcheck(torch.ops.fusepass.scaled_mm_dynamic.default, args)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(x=torch.zeros(1, 160, dtype=I8)), TypeError, "`x` must have dtype bfloat16, float16, float32"),
+    (dict(x=torch.zeros(160, dtype=BF16)), ValueError, "`x` must be [M, K] and `b` [K, N]"),
+    (dict(b=torch.zeros(100, 48, dtype=I8)), ValueError, "`x` must be [M, K] and `b` [K, N]"),
+    (dict(b=torch.zeros(160, 48, dtype=BF16)), TypeError, "`b` must have dtype int8, float8_e4m3fn"),
+    (dict(sb=torch.zeros(47)), ValueError, "scale_b"),
+    (dict(divisor=0.0), ValueError, "`divisor` must be > 0 and `floor` >= 0; got 0.0"),
+    (dict(floor=-1.0), ValueError, "`floor` >= 0; got 127.5, -1.0"),
+    (dict(out_dtype=torch.int8), TypeError, "`out_dtype` must be one of bfloat16, float16, float32"),
+])
+def test_bad_inputs_are_refused_by_name(change, error, message):
+    x, b, sb, bias = _problem(48, 160, I8, device="cpu")
+    args = dict(x=x, b=b, sb=sb, out_dtype=BF16, bias=bias, divisor=127.5, floor=SCALE_EPS) | change
+    with pytest.raises(error, match=None) as e:
+        scaled_mm_dynamic(*args.values())
+    assert message in str(e.value), str(e.value)

@@ -1,0 +1,71 @@
+"""passes/quantize_in.py: at M = 1 an activation from attention quantized inside its matmul's
+launch (``fusepass.scaled_mm_dynamic``); other activations, other M, rows used twice: not."""
+
+import expecttest
+import torch
+
+from fusepass.ops.dynamic import quantize_rows
+from fusepass.passes import PassConfig
+from fusepass.passes.quantize_in import NAME
+from tests.passes.harness import assert_policy, run_pass
+
+F = torch.nn.functional
+EPS = torch.finfo(torch.float32).eps
+H, D, N = 4, 32, 96  # heads, head size (K = 128), the weight's rows
+
+
+def _attention_then_linear(q, k, v, w, sw, dtype=torch.int8, divisor=127.5, twice=False):
+    """transformers' SDPA output, reshaped to rows, quantized per token, then a dequantized
+    product (what a prepared o_proj traces)."""
+    o = F.scaled_dot_product_attention(q, k, v)  # (B, H, S, D)
+    x = o.transpose(1, 2).reshape(-1, H * D)
+    qx, s = quantize_rows(x, dtype, divisor, EPS)
+    y = ((qx.float() * s) @ (w.float() * sw).t()).to(torch.bfloat16)
+    return (y, qx) if twice else y
+
+
+def _inputs(rows=1, dtype=torch.int8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, H, n, D, generator=g, dtype=torch.bfloat16) for n in (rows, 8, 8))
+    w = torch.randint(-127, 128, (N, H * D), generator=g).to(dtype)
+    sw = torch.rand(N, 1, generator=g) * 0.01
+    return q, k, v, w, sw
+
+
+def _reference(q, k, v, w, sw, dtype=torch.int8, divisor=127.5):
+    o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, H * D)
+    qx, s = quantize_rows(o, dtype, divisor, EPS)
+    return (qx.double() * s.double()) @ (w.double() * sw.double()).t()
+
+
+class TestQuantizeIn(expecttest.TestCase):
+    def test_attention_output_at_one_row_is_quantized_in_the_matmul(self):
+        args = _inputs()
+        r = run_pass(_attention_then_linear, *args)
+        self.assertEqual(r.counts, {"dequant_mm": 1, NAME: 1})
+        assert_policy(r.out, _attention_then_linear(*args), _reference(*args))
+        calls = [line for line in r.after.splitlines() if "fusepass." in line]
+        self.assertEqual(len(calls), 1)
+        self.assertRegex(calls[0], r"= fusepass\.scaled_mm_dynamic\(view, \w+, \w+, bf16, None, 127\.5, 1\.1920928955078125e-07\)")
+        self.assertNotIn("amax", r.after)
+
+    def test_other_rows_and_the_config_leave_the_quantization_alone(self):
+        for rows, config in ((2, None), (1, PassConfig(quantize_in_gemv=False))):
+            with self.subTest(rows=rows):
+                args = _inputs(rows)
+                r = run_pass(_attention_then_linear, *args, config=config)
+                self.assertEqual(r.counts, {"dequant_mm": 1})
+                self.assertIn("fusepass.scaled_mm(", r.after)
+
+    def test_a_quantized_row_used_twice_or_a_row_from_an_input_stays(self):
+        args = _inputs()
+        r = run_pass(lambda *a: _attention_then_linear(*a, twice=True), *args)
+        self.assertEqual(r.counts, {"dequant_mm": 1})
+
+        def from_input(x, w, sw):
+            qx, s = quantize_rows(x, torch.int8, 127.5, EPS)
+            return ((qx.float() * s) @ (w.float() * sw).t()).to(torch.bfloat16)
+
+        x = torch.randn(1, H * D, dtype=torch.bfloat16)
+        r = run_pass(from_input, x, args[3], args[4])
+        self.assertEqual(r.counts, {"dequant_mm": 1})  # (its producer's kernel can quantize it)
