@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled_mm import _epilogue
+from .scaled_mm import _bias, _epilogue, _scale_b
 
 
 @triton.jit
@@ -125,14 +125,9 @@ def scaled_gemv_kernel(
                                   BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
-    if QUANT != 0:  # the scale in a register: scaled_mm_kernel's epilogue order, written out
-        x = acc[None, :].to(tl.float32) * x_scale
-        if SCALE_B_PER_CHANNEL:
-            x = x * tl.load(scale_b_ptr + offs_n).to(tl.float32)[None, :]
-        else:
-            x = x * tl.load(scale_b_ptr).to(tl.float32)
-        if HAS_BIAS:
-            x = x + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+    if QUANT != 0:  # the row's scale in a register, then the epilogue's other steps, in its order
+        x = _bias(_scale_b(acc[None, :].to(tl.float32) * x_scale, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL),
+                  offs_n, bias_ptr, HAS_BIAS)
     else:
         x = _epilogue(
             acc[None, :], rows, offs_n,

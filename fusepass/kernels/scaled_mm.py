@@ -70,10 +70,22 @@ def _epilogue(
             x = x * tl.load(scale_a_ptr + offs_m).to(tl.float32)[:, None]
         else:
             x = x * tl.load(scale_a_ptr).to(tl.float32)
-        if SCALE_B_PER_CHANNEL:
-            x = x * tl.load(scale_b_ptr + offs_n).to(tl.float32)[None, :]
-        else:
-            x = x * tl.load(scale_b_ptr).to(tl.float32)
+        x = _scale_b(x, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL)
+    return _bias(x, offs_n, bias_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _scale_b(x, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL: tl.constexpr):
+    """``x`` (fp32, scaled by ``scale_a``) times ``scale_b``: the epilogue's second factor."""
+    if SCALE_B_PER_CHANNEL:
+        x = x * tl.load(scale_b_ptr + offs_n).to(tl.float32)[None, :]
+    else:
+        x = x * tl.load(scale_b_ptr).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _bias(x, offs_n, bias_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         x = x + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     return x
