@@ -111,7 +111,7 @@ def test_prepared_model_fuses_every_linear_and_joins_siblings(bf16_model, quant,
     assert set(counts) <= PATTERN[quant] and sum(counts.values()) == LINEARS, counts
     assert joined == 2 * SIZES.layers, (joined, counts)  # q/k/v and gate/up
     # at decode b1, o_proj's input (attention's output) quantized in its matmul's launch
-    # (symmetric only: scaled_mm calls)
+    # (symmetric int8 only)
     assert quantized == (SIZES.layers if (step, batch) == ("decode", 1) and quant == "int8" else 0), counts
     if eager is not None:  # (quantized activations round differently in the traced order)
         assert _rel(out, eager) < 0.05

@@ -31,11 +31,10 @@ from .scaled_mm import _bias, _epilogue, _scale_b
 @triton.jit
 def row_scale(
     a_ptr, K, stride_ak, divisor, floor,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, QUANT: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
-    """The per-token scale of the float row ``a`` (1, K): ``max(amax / divisor, floor)``
-    (QUANT 1, int8) or ``max(amax, floor) / divisor`` (QUANT 2, fp8), in fp32 with correctly
-    rounded divisions, as ``ops.dynamic.quantize_rows`` computes it."""
+    """The int8 per-token scale of the float row ``a`` (1, K), ``max(amax / divisor, floor)``
+    in fp32 with a correctly rounded division, as ``ops.dynamic.quantize_rows`` computes it."""
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
@@ -44,25 +43,18 @@ def row_scale(
         else:
             x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    amax_row = tl.max(amax, axis=0)
-    # (one return: Triton types every return of a function, constexpr branches included)
-    if QUANT == 1:
-        scale = tl.maximum(tl.div_rn(amax_row, divisor), floor)
-    else:
-        scale = tl.div_rn(tl.maximum(amax_row, floor), divisor)
-    return scale
+    # (Inductor passes Python floats as fp64; the recipe's division is fp32's)
+    return tl.maximum(tl.div_rn(tl.max(amax, axis=0), tl.cast(divisor, tl.float32)), tl.cast(floor, tl.float32))
 
 
 @triton.jit
-def _quantized(x, x_scale, QUANT: tl.constexpr):
-    """A block of the float row quantized by ``x_scale``: int8 values (as fp32; rounded half
-    to even by the 1.5 * 2**23 shift, exact for |v| <= 128) or e4m3."""
-    v = tl.div_rn(x.to(tl.float32), x_scale)
-    if QUANT == 1:
-        q = (tl.clamp(v, -128.0, 127.0) + 12582912.0) - 12582912.0
-    else:
-        q = tl.clamp(v, -448.0, 448.0).to(tl.float8e4nv)
-    return q
+def _quantized(x, x_scale):
+    """A block of the float row as int8 values (held in fp32): ``x / x_scale`` correctly
+    rounded, clamped, then rounded half to even by the 1.5 * 2**23 shift (exact for |v| <= 128).
+    (int8 only: Triton's fp32 -> e4m3 cast differed from torch's on a GPU, which an fp8 row
+    quantized here would need to match.)"""
+    v = tl.clamp(tl.div_rn(x.to(tl.float32), x_scale), -128.0, 127.0)
+    return (v + 12582912.0) - 12582912.0
 
 
 @triton.jit
@@ -73,7 +65,7 @@ def gemv_rows(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
     x_scale,  # QUANT: the float row's scale (row_scale); else unused
-    QUANT: tl.constexpr,  # 0: a is b's dtype; 1 / 2: a float row quantized to int8 / e4m3 here
+    QUANT: tl.constexpr,  # a is a float row, quantized to int8 here (else b's dtype)
 ):
     """The main loop: (acc (BLOCK_N,) of a @ b's columns, their indices cols (BLOCK_N,),
     offs_n: cols with ragged ones read as column 0). Also ``group.py``'s, at M = 1."""
@@ -94,8 +86,8 @@ def gemv_rows(
             # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
             w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
             x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
-        if QUANT != 0:
-            x = _quantized(x, x_scale, QUANT)
+        if QUANT:
+            x = _quantized(x, x_scale)
         acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
     return acc, cols, offs_n
 
@@ -116,16 +108,16 @@ def scaled_gemv_kernel(
     # Tiling
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
-    QUANT: tl.constexpr = 0,  # 1 / 2: a is a float row, quantized per token here to int8 / e4m3
+    QUANT: tl.constexpr = False,  # a is a float row, quantized per token to int8 here
 ):
     x_scale = 1.0
-    if QUANT != 0:  # (each program reads the row twice more, from L2: its amax, then its blocks)
-        x_scale = row_scale(a_ptr, K, stride_ak, divisor, floor, BLOCK_K, EVEN_K, QUANT)
+    if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
+        x_scale = row_scale(a_ptr, K, stride_ak, divisor, floor, BLOCK_K, EVEN_K)
     acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
                                   BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
-    if QUANT != 0:  # the row's scale in a register, then the epilogue's other steps, in its order
+    if QUANT:  # the row's scale in a register, then the epilogue's other steps, in its order
         x = _bias(_scale_b(acc[None, :].to(tl.float32) * x_scale, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL),
                   offs_n, bias_ptr, HAS_BIAS)
     else:

@@ -269,7 +269,7 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
         if not gemv_allowed(a, b) or cfg.split_k != 1:
             raise ValueError(f"a gemv config needs M = 1, b contiguous along K, a static K and split_k 1, got "
                              f"a {tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
-        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),), {"QUANT": 0, **flags, **tiling, "EVEN_K": even_k})
+        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),), {"QUANT": False, **flags, **tiling, "EVEN_K": even_k})
     tma = cfg.tma and tma_allowed(a, b, fake)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     tiling.update(BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m)
@@ -406,20 +406,21 @@ def cond_choice(pred, if_true, if_false, operands: tuple, symbols: tuple):
 
 
 def gemv_quantizes(x: torch.Tensor, b: torch.Tensor) -> bool:
-    """Where ``launch_gemv_quantized`` runs: the M = 1 kernel's rows fill the GPU."""
-    return gemv_allowed(x, b) and gemv_fills(int(b.shape[1]), x.device)
+    """Where ``launch_gemv_quantized`` runs: an int8 ``b`` on the M = 1 kernel's rows, which
+    fill the GPU."""
+    return b.dtype == torch.int8 and gemv_allowed(x, b) and gemv_fills(int(b.shape[1]), x.device)
 
 
 def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
                           bias: torch.Tensor | None, divisor: float, floor: float) -> torch.Tensor:
-    """``x`` (1, K), a float row, quantized per token inside the M = 1 kernel (``gemv.py``'s
-    QUANT: int8 where ``b`` is int8, else e4m3), times ``b`` with scaled_mm's epilogue: one
+    """``x`` (1, K), a float row, quantized per token to int8 inside the M = 1 kernel
+    (``gemv.py``'s QUANT), times the int8 ``b`` with scaled_mm's epilogue: one
     launch where a quantization kernel and ``launch_scaled_mm`` take two. Validated inputs
     where ``gemv_quantizes``; eager, interpreted and traced alike."""
     fake = _traced(x)
     scale_b, bias = (_flat(t, fake) for t in (scale_b, bias))
     flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=_per_element(scale_b), HAS_BIAS=bias is not None,
-                 AZP=0, RAW_ACC=False, QUANT=1 if b.dtype == torch.int8 else 2)
+                 AZP=0, RAW_ACC=False, QUANT=True)
     cfg = gemv_config(int(b.shape[1]), int(x.shape[1]), sm_count(x.device))
     return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None,
                                            divisor, floor))

@@ -16,10 +16,11 @@ Arguments: ``x`` [M, K] bfloat16, float16 or float32; ``b``, ``scale_b``, ``out_
 ``bias`` as ``scaled_mm``'s (``fusepass/ops/scaled_mm.py``); ``divisor`` > 0, ``floor`` >= 0.
 Returns a new contiguous [M, N] tensor of ``out_dtype``.
 
-Why an op of its own: at M = 1 (decode at batch 1) on CUDA, with ``b = w.t()``, the M = 1
-kernel quantizes the row itself (``kernels/gemv.py``, QUANT: each program reads the row's
-amax, then its blocks, from L2), so no quantization kernel runs before it: one launch a call
-fewer. Elsewhere (other M, other layouts, the CPU) it quantizes with the ATen ops above and
+Why an op of its own: at M = 1 (decode at batch 1) on CUDA, with an int8 ``b = w.t()``, the
+M = 1 kernel quantizes the row itself (``kernels/gemv.py``, QUANT: each program reads the row's
+amax, then its blocks, from L2; bit for bit the quantization above then ``scaled_mm``), so no
+quantization kernel runs before it: one launch a call fewer. (Not for fp8: on an H200
+Triton's fp32 -> e4m3 cast gave other values than torch's for some rows.) Elsewhere (other M, other layouts, the CPU) it quantizes with the ATen ops above and
 runs ``scaled_mm``; traced, Inductor fuses that quantization into its own kernels as before.
 The pass makes these calls only where the activation comes from an op Inductor cannot fuse
 the quantization into (``passes/quantize_in.py``).

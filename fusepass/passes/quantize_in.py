@@ -1,21 +1,16 @@
 """Quantize a decode activation inside the M = 1 kernel where no other kernel can.
 
-Matches: a ``fusepass.scaled_mm`` call at a static M = 1, ``b`` stored as ``w.t()``, whose
-``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and used by nothing
-else, in the ATen forms ``ops.dynamic.quantize_rows`` traces (a ``fusepass.prepare``d linear
-traces the same):
-
-- int8: ``clamp_max(clamp_min(round(xf / s), -128), 127).to(int8)``,
-  ``s = clamp_min(amax(abs(xf), -1) / D, F)``;
-- e4m3: ``clamp_max(clamp_min(xf / s, -448), 448).to(float8_e4m3fn)``,
-  ``s = clamp_min(amax(abs(xf), -1), F) / D``;
-
-(``xf`` is ``x`` cast to fp32, or ``x``), where ``x`` comes through views from an output of a
+Matches: an int8 ``fusepass.scaled_mm`` call at a static M = 1, ``b`` stored as ``w.t()``,
+whose ``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and used by
+nothing else, in the ATen form ``ops.dynamic.quantize_rows`` traces (a ``fusepass.prepare``d
+linear traces the same): ``clamp_max(clamp_min(round(xf / s), -128), 127).to(int8)`` with
+``s = clamp_min(amax(abs(xf), -1) / D, F)`` (``xf`` is ``x`` cast to fp32, or ``x``), where ``x`` comes through views from an output of a
 multi-output op (a ``getitem``: attention), which runs as a kernel of its own that Inductor
 cannot fuse the quantization into.
 
 Becomes: ``fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, D, F)``; on CUDA the
-M = 1 kernel quantizes the row itself (``kernels/gemv.py``). A Llama layer's o_proj: the one
+M = 1 kernel quantizes the row itself (``kernels/gemv.py``). fp8 rows are left to their
+quantization kernel (``ops/dynamic.py`` says why). A Llama layer's o_proj: the one
 quantization kernel of a decode layer that Inductor launches on its own (q/k/v's and gate/up's
 fuse into the RMSNorm kernel, down_proj's into the SiLU-mul one). Why: a default-mode decode
 step is bound by its launches (``benchmarks/NOTES.md`` run 25, step 4); this is one of a
@@ -52,16 +47,8 @@ def _amax_of(node):
     return node.args[0].args[0] if is_call(node.args[0], aten.abs.default) else None
 
 
-def _scale(s, fp8: bool):
-    """(xf, D, F) where ``s`` is the int8 / e4m3 per-token scale of ``xf``, else None."""
-    if fp8:
-        if not (is_call(s, aten.div.Tensor) and isinstance(s.args[1], float)):
-            return None
-        low = s.args[0]
-        if not (is_call(low, aten.clamp_min.default) and isinstance(low.args[1], float)):
-            return None
-        xf = _amax_of(low.args[0])
-        return None if xf is None else (xf, s.args[1], low.args[1])
+def _scale(s):
+    """(xf, D, F) where ``s`` is ``clamp_min(amax(abs(xf)) / D, F)``, else None."""
     if not (is_call(s, aten.clamp_min.default) and isinstance(s.args[1], float)):
         return None
     div = s.args[0]
@@ -73,16 +60,13 @@ def _scale(s, fp8: bool):
 
 def _quantization(a):
     """(x, s, D, F) where ``a`` is the quantized row (module docstring), else None."""
-    fp8 = cast_dtype(a) == torch.float8_e4m3fn
-    if not fp8 and cast_dtype(a) != torch.int8:
+    if cast_dtype(a) != torch.int8:
         return None
-    lo, hi = (-448.0, 448.0) if fp8 else (-128, 127)
-    v = _one_arg(_one_arg(a.args[0], aten.clamp_max.default, hi), aten.clamp_min.default, lo)
-    if not fp8:
-        v = _one_arg(v, aten.round.default)
+    v = _one_arg(_one_arg(_one_arg(a.args[0], aten.clamp_max.default, 127), aten.clamp_min.default, -128),
+                 aten.round.default)
     if not is_call(v, aten.div.Tensor) or not isinstance(v.args[1], fx.Node):
         return None
-    found = _scale(v.args[1], fp8)
+    found = _scale(v.args[1])
     if found is None or found[0] is not v.args[0]:
         return None
     xf, divisor, floor = found

@@ -33,18 +33,15 @@ def test_the_quantization_is_a_prepared_modules(kind, dtype):
     assert torch.equal(q.view(torch.int8), mq.view(torch.int8)) and torch.equal(s, ms)
 
 
-@pytest.mark.parametrize("dtype", [I8, pytest.param(F8, marks=pytest.mark.gpu)], ids=["int8", "fp8"])
 @pytest.mark.parametrize("N,K", [(17, 33), (100, 1000), (64, 2048), (24, 4096 + 512)])
 @pytest.mark.parametrize("x_dtype,scale", [(BF16, 3.0), (torch.float32, 3.0), (BF16, 1e-9)])
-def test_the_m1_kernel_quantizing_its_row_is_the_quantization_then_the_kernel(dtype, N, K, x_dtype, scale):
-    """Bitwise: the same fp32 divisions and rounding in the kernel as in ``quantize_rows``. fp8 on
-    a GPU only: Triton's interpreter casts fp32 to e4m3 wrongly where the rounding carries into
-    the exponent (-31.6 to -16, not -32)."""
-    x, b, sb, bias = _problem(N, K, dtype, x_dtype, scale)
-    q, s = quantize_rows(x, dtype, DIVISOR[dtype], SCALE_EPS)
+def test_the_m1_kernel_quantizing_its_row_is_the_quantization_then_the_kernel(N, K, x_dtype, scale):
+    """Bitwise: the same fp32 divisions and rounding in the kernel as in ``quantize_rows``."""
+    x, b, sb, bias = _problem(N, K, I8, x_dtype, scale)
+    q, s = quantize_rows(x, I8, 127.5, SCALE_EPS)
     cfg = gemv_config(N, K, configs.sm_count(x.device))
     ref = launch.launch_scaled_mm(q, b, s, sb, BF16, bias, config=cfg)
-    out = launch.launch_gemv_quantized(x, b, sb, BF16, bias, DIVISOR[dtype], SCALE_EPS)
+    out = launch.launch_gemv_quantized(x, b, sb, BF16, bias, 127.5, SCALE_EPS)
     assert torch.equal(out, ref)
 
 
@@ -59,14 +56,16 @@ def test_the_op_is_the_quantization_then_scaled_mm():
 
 
 @pytest.mark.gpu
-def test_the_op_takes_the_quantizing_kernel_at_one_row_on_cuda(monkeypatch):
-    x, b, sb, bias = _problem(4096, 4096, I8)
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+def test_the_op_takes_the_quantizing_kernel_at_one_row_on_cuda_for_int8(monkeypatch, dtype):
+    x, b, sb, bias = _problem(4096, 4096, dtype)
     taken = []
     real = launch.launch_gemv_quantized
     monkeypatch.setattr("fusepass.ops.dynamic.launch_gemv_quantized", lambda *a: taken.append(1) or real(*a))
-    q, s = quantize_rows(x, I8, 127.5, SCALE_EPS)
-    assert torch.equal(scaled_mm_dynamic(x, b, sb, BF16, bias), fusepass.scaled_mm(q, b, s, sb, BF16, bias))
-    assert taken == [1]
+    q, s = quantize_rows(x, dtype, DIVISOR[dtype], SCALE_EPS)
+    out = scaled_mm_dynamic(x, b, sb, BF16, bias, DIVISOR[dtype], SCALE_EPS)
+    assert torch.equal(out, fusepass.scaled_mm(q, b, s, sb, BF16, bias))
+    assert taken == ([1] if dtype == I8 else [])
 
 
 def test_opcheck():
