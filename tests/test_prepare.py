@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 import fusepass
 from fusepass.backend import capture_backend
 from fusepass.integrations.linear import Act, quantize_rows
-from fusepass.passes import FusePass
+from fusepass.passes import FusePass, PassConfig
 from fusepass.passes.join import NAME as JOINED
 from fusepass.passes.quantize_in import NAME as QUANTIZED_IN
 
@@ -81,9 +81,9 @@ def test_prepared_eager_logits_are_as_close_to_float_as_torchao(bf16_model, quan
     assert _rel(ours, reference) <= 1.1 * _rel(theirs, reference) + 1e-3, (_rel(ours, reference), _rel(theirs, reference))
 
 
-def _graph_counts(model, inputs: dict) -> tuple[list, dict, torch.Tensor]:
+def _graph_counts(model, inputs: dict, config: PassConfig | None = None) -> tuple[list, dict, torch.Tensor]:
     decisions = []
-    pass_ = FusePass()
+    pass_ = FusePass(config)
     counters["fusepass"].clear()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=capture_backend(lambda gm: decisions.extend(pass_.run(gm.graph))),
@@ -107,14 +107,25 @@ def test_prepared_model_fuses_every_linear_and_joins_siblings(bf16_model, quant,
     decisions, counts, out = _graph_counts(model, inputs)
     # (fused whole, or at M = 1 up to a residual add that reads as a bias: "in part")
     assert len(decisions) == LINEARS and all(d.fused for d in decisions), [d for d in decisions if not d.fused]
-    joined, quantized = counts.pop(JOINED, 0), counts.pop(QUANTIZED_IN, 0)
+    joined = counts.pop(JOINED, 0)
     assert set(counts) <= PATTERN[quant] and sum(counts.values()) == LINEARS, counts
     assert joined == 2 * SIZES.layers, (joined, counts)  # q/k/v and gate/up
-    # at decode b1, o_proj's input (attention's output) quantized in its matmul's launch
-    # (symmetric int8 only)
-    assert quantized == (SIZES.layers if (step, batch) == ("decode", 1) and quant == "int8" else 0), counts
     if eager is not None:  # (quantized activations round differently in the traced order)
         assert _rel(out, eager) < 0.05
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_quantize_in_gemv_takes_each_o_proj_at_decode_b1(bf16_model, step):
+    """``PassConfig(quantize_in_gemv=True)``: each layer's o_proj (its input: attention's
+    output) at decode b1 becomes one ``scaled_mm_dynamic``; the logits as without it."""
+    model, _ = _prepared(bf16_model, "int8")
+    ids = models.prompt(bf16_model, 1, 8, seed=2)
+    inputs = (lambda: dict(input_ids=ids)) if step == "prefill" else \
+        (lambda: models.decode_inputs(ids, models.static_cache(model, 1, 16)))
+    _, counts, out = _graph_counts(model, inputs(), PassConfig(quantize_in_gemv=True))
+    _, plain, want = _graph_counts(model, inputs())
+    assert counts.pop(QUANTIZED_IN, 0) == (SIZES.layers if step == "decode" else 0) and counts == plain, counts
+    assert torch.equal(out, want)
 
 
 def test_prepare_join_false_keeps_a_buffer_per_linear(bf16_model):

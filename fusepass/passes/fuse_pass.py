@@ -70,9 +70,10 @@ class PassConfig:
     # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
     # buffers) run as one matmul over their union (passes/join.py), at every M.
     join_siblings: bool = True
-    # At M = 1, an activation from attention (a multi-output op) quantized inside the M = 1
-    # kernel, not by a kernel of its own before it (passes/quantize_in.py).
-    quantize_in_gemv: bool = True
+    # At M = 1, an int8 activation from attention (a multi-output op) quantized inside the M = 1
+    # kernel, not by a kernel of its own before it (passes/quantize_in.py). Off until a GPU
+    # run measures it (benchmarks/NOTES.md run 25, step 7: built without device time left).
+    quantize_in_gemv: bool = False
 
     def __post_init__(self):
         unknown = set(self.patterns) - set(PATTERNS)

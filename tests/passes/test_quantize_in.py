@@ -1,5 +1,6 @@
-"""passes/quantize_in.py: at M = 1 an activation from attention quantized inside its matmul's
-launch (``fusepass.scaled_mm_dynamic``); other activations, other M, rows used twice: not."""
+"""passes/quantize_in.py (``PassConfig(quantize_in_gemv=True)``; off by default): at M = 1 an
+int8 activation from attention quantized inside its matmul's launch
+(``fusepass.scaled_mm_dynamic``); other activations, other M, rows used twice, fp8: not."""
 
 import expecttest
 import torch
@@ -11,6 +12,7 @@ from tests.passes.harness import assert_policy, run_pass
 
 F = torch.nn.functional
 EPS = torch.finfo(torch.float32).eps
+ON = PassConfig(quantize_in_gemv=True)
 H, D, N = 4, 32, 96  # heads, head size (K = 128), the weight's rows
 
 
@@ -41,7 +43,7 @@ def _reference(q, k, v, w, sw, dtype=torch.int8, divisor=127.5):
 class TestQuantizeIn(expecttest.TestCase):
     def test_attention_output_at_one_row_is_quantized_in_the_matmul(self):
         args = _inputs()
-        r = run_pass(_attention_then_linear, *args)
+        r = run_pass(_attention_then_linear, *args, config=ON)
         self.assertEqual(r.counts, {"dequant_mm": 1, NAME: 1})
         assert_policy(r.out, _attention_then_linear(*args), _reference(*args))
         calls = [line for line in r.after.splitlines() if "fusepass." in line]
@@ -50,7 +52,7 @@ class TestQuantizeIn(expecttest.TestCase):
         self.assertNotIn("amax", r.after)
 
     def test_other_rows_and_the_config_leave_the_quantization_alone(self):
-        for rows, config in ((2, None), (1, PassConfig(quantize_in_gemv=False))):
+        for rows, config in ((2, ON), (1, None)):  # (the default: off)
             with self.subTest(rows=rows):
                 args = _inputs(rows)
                 r = run_pass(_attention_then_linear, *args, config=config)
@@ -59,7 +61,7 @@ class TestQuantizeIn(expecttest.TestCase):
 
     def test_a_quantized_row_used_twice_or_a_row_from_an_input_stays(self):
         args = _inputs()
-        r = run_pass(lambda *a: _attention_then_linear(*a, twice=True), *args)
+        r = run_pass(lambda *a: _attention_then_linear(*a, twice=True), *args, config=ON)
         self.assertEqual(r.counts, {"dequant_mm": 1})
 
         def from_input(x, w, sw):
@@ -67,5 +69,11 @@ class TestQuantizeIn(expecttest.TestCase):
             return ((qx.float() * s) @ (w.float() * sw).t()).to(torch.bfloat16)
 
         x = torch.randn(1, H * D, dtype=torch.bfloat16)
-        r = run_pass(from_input, x, args[3], args[4])
+        r = run_pass(from_input, x, args[3], args[4], config=ON)
         self.assertEqual(r.counts, {"dequant_mm": 1})  # (its producer's kernel can quantize it)
+
+    def test_an_fp8_row_keeps_its_quantization_kernel(self):
+        args = _inputs(dtype=torch.float8_e4m3fn)
+        r = run_pass(lambda *a: _attention_then_linear(*a, dtype=torch.float8_e4m3fn, divisor=448.0), *args, config=ON)
+        self.assertNotIn(NAME, r.counts)
+        self.assertIn("fusepass.scaled_mm(", r.after)
