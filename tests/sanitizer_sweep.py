@@ -98,7 +98,8 @@ def path_cases() -> int:
         q, s = quantize_rows(x, torch.int8, 127.5, eps)
         ref = launch_scaled_mm(q, p.b, s, p.scale_b, torch.float32, p.bias, config=gemv_config(N, K, sm_count(x.device)))
         torch.cuda.synchronize()
-        assert torch.equal(out, ref), (N, K)
+        step = (s * p.scale_b.flatten().abs() * p.b.abs().amax(0).float()).flatten()  # (a value one step apart)
+        assert ((out - ref).abs().flatten() <= 2 * step + 1e-6 * ref.abs().flatten()).all(), (N, K)
         n += 1
     return n
 
@@ -113,7 +114,7 @@ def main() -> int:
     print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} "
           f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel on each of "
           f"{len(GEMV_NK)} (N, K) x variant, alone, grouped without zero points, and quantizing its own row "
-          f"(int8: bitwise the quantization then the kernel)), all match")
+          f"(int8: the quantization then the kernel, to a step where the scales' roundings differ)), all match")
     return 0
 
 

@@ -34,17 +34,22 @@ def row_scale(
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """The int8 per-token scale of the float row ``a`` (1, K), ``max(amax / divisor, floor)``
-    in fp32 with a correctly rounded division, as ``ops.dynamic.quantize_rows`` computes it."""
+    in fp32 with a correctly rounded division (``ops.dynamic.quantize_rows``'s recipe); NaN
+    where the row holds one, as torch's ``amax`` gives (a GPU's max drops NaN)."""
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    nans = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         if EVEN_K:
             x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak)
         else:
             x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        xf = x.to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(xf))
+        nans += (xf != xf).to(tl.int32)
     # (Inductor passes Python floats as fp64; the recipe's division is fp32's)
-    return tl.maximum(tl.div_rn(tl.max(amax, axis=0), tl.cast(divisor, tl.float32)), tl.cast(floor, tl.float32))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), tl.cast(divisor, tl.float32)), tl.cast(floor, tl.float32))
+    return tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
 
 
 @triton.jit

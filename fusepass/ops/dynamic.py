@@ -18,12 +18,17 @@ Returns a new contiguous [M, N] tensor of ``out_dtype``.
 
 Why an op of its own: at M = 1 (decode at batch 1) on CUDA, with an int8 ``b = w.t()``, the
 M = 1 kernel quantizes the row itself (``kernels/gemv.py``, QUANT: each program reads the row's
-amax, then its blocks, from L2; bit for bit the quantization above then ``scaled_mm``), so no
-quantization kernel runs before it: one launch a call fewer. (Not for fp8: on an H200
-Triton's fp32 -> e4m3 cast gave other values than torch's for some rows.) Elsewhere (other M, other layouts, the CPU) it quantizes with the ATen ops above and
+amax, then its blocks, from L2), so no quantization kernel runs before it: one launch a call
+fewer. Its divisions are IEEE fp32 divisions; eager CUDA multiplies by the divisor's
+reciprocal and Inductor's ``x / s`` may be approximate, so its scale and values can differ
+from those by an fp32 rounding (within the numerics policy; the same in Triton's interpreter
+against the CPU's). A row holding a NaN gives a NaN scale, as torch's ``amax`` does. (Not for
+fp8: on an H200 Triton's fp32 -> e4m3 cast gave other values than torch's for some rows.) Not
+yet measured on a GPU: the pass makes these calls only where ``PassConfig(quantize_in_gemv=True)``
+asks. Elsewhere (other M, other layouts, the CPU) it quantizes with the ATen ops above and
 runs ``scaled_mm``; traced, Inductor fuses that quantization into its own kernels as before.
-The pass makes these calls only where the activation comes from an op Inductor cannot fuse
-the quantization into (``passes/quantize_in.py``).
+The pass makes these calls, where asked, only where the activation comes from an op Inductor
+cannot fuse the quantization into (``passes/quantize_in.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import triton_op
 
 from ..kernels.launch import gemv_quantizes, launch_gemv_quantized
@@ -64,7 +70,8 @@ def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor) -> None:
     if x.dim() != 2 or b.dim() != 2 or b.shape[0] != x.shape[1]:
         raise ValueError(f"{OP}: `x` must be [M, K] and `b` [K, N]; got x {_describe(x)}, b {_describe(b)}")
     check_out_dtype(OP, out_dtype)
-    if not (isinstance(divisor, (int, float)) and divisor > 0 and isinstance(floor, (int, float)) and floor >= 0):
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (divisor, floor))
+    if not (numbers and divisor > 0 and floor >= 0):
         raise ValueError(f"{OP}: `divisor` must be > 0 and `floor` >= 0; got {divisor!r}, {floor!r}")
     K, N = b.shape
     _check_scale(OP, "scale_b", scale_b, N, 1)
@@ -88,7 +95,9 @@ def scaled_mm_dynamic_impl(
     floor: float = torch.finfo(torch.float32).eps,
 ) -> Tensor:
     check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor)
-    if x.device.type == "cuda" and x.shape[1] > 0 and gemv_quantizes(x, b):
+    if statically_known_true(x.shape[1] == 0):
+        return _compute(x, b, None, scale_b, out_dtype, bias)  # (an empty sum: the bias alone)
+    if x.device.type == "cuda" and gemv_quantizes(x, b):
         return launch_gemv_quantized(x, b, scale_b, out_dtype, bias, divisor, floor)
     q, scale_a = quantize_rows(x, b.dtype, divisor, floor)
     return _compute(q, b, scale_a, scale_b, out_dtype, bias)

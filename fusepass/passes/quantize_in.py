@@ -1,4 +1,5 @@
-"""Quantize a decode activation inside the M = 1 kernel where no other kernel can.
+"""Quantize a decode activation inside the M = 1 kernel where no other kernel can. Off by
+default (``PassConfig.quantize_in_gemv``): built without a GPU run to measure it.
 
 Matches: an int8 ``fusepass.scaled_mm`` call at a static M = 1, ``b`` stored as ``w.t()``,
 whose ``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and used by
@@ -14,7 +15,7 @@ quantization kernel (``ops/dynamic.py`` says why). A Llama layer's o_proj: the o
 quantization kernel of a decode layer that Inductor launches on its own (q/k/v's and gate/up's
 fuse into the RMSNorm kernel, down_proj's into the SiLU-mul one). Why: a default-mode decode
 step is bound by its launches (``benchmarks/NOTES.md`` run 25, step 4); this is one of a
-layer's 17.
+layer's 17 (an upper bound on the gain: each program also reads the row twice more).
 """
 
 from __future__ import annotations
@@ -48,11 +49,12 @@ def _amax_of(node):
 
 
 def _scale(s):
-    """(xf, D, F) where ``s`` is ``clamp_min(amax(abs(xf)) / D, F)``, else None."""
-    if not (is_call(s, aten.clamp_min.default) and isinstance(s.args[1], float)):
+    """(xf, D, F) where ``s`` is ``clamp_min(amax(abs(xf)) / D, F)`` with D > 0 and F >= 0 (what
+    the op takes), else None."""
+    if not (is_call(s, aten.clamp_min.default) and isinstance(s.args[1], float) and s.args[1] >= 0):
         return None
     div = s.args[0]
-    if not (is_call(div, aten.div.Tensor) and isinstance(div.args[1], float)):
+    if not (is_call(div, aten.div.Tensor) and isinstance(div.args[1], float) and div.args[1] > 0):
         return None
     xf = _amax_of(div.args[0])
     return None if xf is None else (xf, div.args[1], s.args[1])

@@ -1,5 +1,6 @@
 """fusepass.scaled_mm_dynamic: the quantization of prepare's modules then scaled_mm, on the CPU
-reference, the M = 1 kernel quantizing its own row (interpreter / GPU), opcheck, bad inputs."""
+reference, the M = 1 kernel quantizing its own row (interpreter / GPU: its rounding and clamp
+exactly, its scale to an fp32 rounding), opcheck, bad inputs."""
 
 import pytest
 import torch
@@ -33,16 +34,41 @@ def test_the_quantization_is_a_prepared_modules(kind, dtype):
     assert torch.equal(q.view(torch.int8), mq.view(torch.int8)) and torch.equal(s, ms)
 
 
+def _then_the_kernel(x, q, s, b, sb, bias):
+    """(the quantizing kernel's output, the M = 1 kernel's on ``q`` and ``s``), fp32 out."""
+    cfg = gemv_config(b.shape[1], b.shape[0], configs.sm_count(x.device))
+    return (launch.launch_gemv_quantized(x, b, sb, torch.float32, bias, 127.5, SCALE_EPS),
+            launch.launch_scaled_mm(q, b, s, sb, torch.float32, bias, config=cfg))
+
+
+def test_the_m1_kernel_rounds_half_to_even_and_clamps_as_torch():
+    """A row whose scale is exactly 1 (amax 127.5): ties both ways, -0.0, both clamp ends."""
+    values = [127.5, -127.5, 0.5, -0.5, 1.5, 2.5, -2.5, 3.5, -3.5, -0.0, 126.49, -1.25]
+    x = torch.tensor(values + [0.0] * 21, dtype=BF16, device=DEVICE)[None]  # K = 33
+    _, b, sb, bias = _problem(40, 33, I8)
+    q = torch.tensor([127, -128, 0, 0, 2, 2, -2, 4, -4, 0, 126, -1] + [0] * 21, dtype=I8, device=DEVICE)[None]
+    assert torch.equal(quantize_rows(x, I8, 127.5, SCALE_EPS)[0], q)
+    out, ref = _then_the_kernel(x, q, torch.ones(1, 1, device=DEVICE), b, sb, bias)
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("N,K", [(17, 33), (100, 1000), (64, 2048), (24, 4096 + 512)])
 @pytest.mark.parametrize("x_dtype,scale", [(BF16, 3.0), (torch.float32, 3.0), (BF16, 1e-9)])
 def test_the_m1_kernel_quantizing_its_row_is_the_quantization_then_the_kernel(N, K, x_dtype, scale):
-    """Bitwise: the same fp32 divisions and rounding in the kernel as in ``quantize_rows``."""
+    """Its scale's division is IEEE fp32's, the reference's the device's own: a value may land
+    one step apart where ``x / s`` sits at a tie of the two roundings (policy: a step's share)."""
     x, b, sb, bias = _problem(N, K, I8, x_dtype, scale)
     q, s = quantize_rows(x, I8, 127.5, SCALE_EPS)
-    cfg = gemv_config(N, K, configs.sm_count(x.device))
-    ref = launch.launch_scaled_mm(q, b, s, sb, BF16, bias, config=cfg)
-    out = launch.launch_gemv_quantized(x, b, sb, BF16, bias, 127.5, SCALE_EPS)
-    assert torch.equal(out, ref)
+    out, ref = _then_the_kernel(x, q, s, b, sb, bias)
+    step = (s * sb.abs() * b.abs().amax(0).float()).flatten()  # one value of x one step apart
+    assert ((out - ref).abs().flatten() <= 2 * step + 1e-6 * ref.abs().flatten()).all()
+
+
+def test_a_nan_in_the_row_gives_nan():
+    x, b, sb, bias = _problem(64, 100, I8)
+    x[0, 37] = float("nan")
+    out = launch.launch_gemv_quantized(x, b, sb, torch.float32, bias, 127.5, SCALE_EPS)
+    assert out.isnan().all()
 
 
 def test_the_op_is_the_quantization_then_scaled_mm():
@@ -53,6 +79,8 @@ def test_the_op_is_the_quantization_then_scaled_mm():
     assert torch.equal(torch.ops.fusepass.scaled_mm_dynamic(x, b, sb, BF16, bias, 127.5, SCALE_EPS), want)
     x2 = torch.cat([x, -x])  # (M = 2: the same on each row)
     assert torch.equal(scaled_mm_dynamic(x2, b, sb, BF16, bias)[0], want[0])
+    empty = torch.empty(3, 0, dtype=BF16)  # (K = 0: an empty sum, the bias alone, as scaled_mm)
+    assert torch.equal(scaled_mm_dynamic(empty, b[:0], sb, BF16, bias), bias.expand(3, -1))
 
 
 @pytest.mark.gpu
@@ -82,6 +110,7 @@ def test_opcheck():
     (dict(sb=torch.zeros(47)), ValueError, "scale_b"),
     (dict(divisor=0.0), ValueError, "`divisor` must be > 0 and `floor` >= 0; got 0.0"),
     (dict(floor=-1.0), ValueError, "`floor` >= 0; got 127.5, -1.0"),
+    (dict(divisor=True), ValueError, "`divisor` must be > 0 and `floor` >= 0; got True"),
     (dict(out_dtype=torch.int8), TypeError, "`out_dtype` must be one of bfloat16, float16, float32"),
 ])
 def test_bad_inputs_are_refused_by_name(change, error, message):

@@ -72,6 +72,23 @@ class TestQuantizeIn(expecttest.TestCase):
         r = run_pass(from_input, x, args[3], args[4], config=ON)
         self.assertEqual(r.counts, {"dequant_mm": 1})  # (its producer's kernel can quantize it)
 
+    def test_another_recipe_stays(self):
+        """A clamp to [-127, 127], a scale_a that is not the rows' scale, a negative floor (which
+        the op refuses: the compile must not fail on it)."""
+        def recipe(x, w, sw, lo=-128, factor=1.0, floor=EPS):
+            s = (x.float().abs().amax(-1, keepdim=True) / 127.5).clamp(min=floor)
+            qx = (x.float() / s).round().clamp(lo, 127).to(torch.int8)
+            return ((qx.float() * (s * factor)) @ (w.float() * sw).t()).to(torch.bfloat16)
+
+        q, k, v, w, sw = _inputs()
+        for kw in (dict(lo=-127), dict(factor=2.0), dict(floor=-1.0)):
+            with self.subTest(**{k: str(v) for k, v in kw.items()}):
+                def f(q, k, v, w, sw, kw=kw):
+                    o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, H * D)
+                    return recipe(o, w, sw, **kw)
+                r = run_pass(f, q, k, v, w, sw, config=ON)
+                self.assertNotIn(NAME, r.counts)
+
     def test_an_fp8_row_keeps_its_quantization_kernel(self):
         args = _inputs(dtype=torch.float8_e4m3fn)
         r = run_pass(lambda *a: _attention_then_linear(*a, dtype=torch.float8_e4m3fn, divisor=448.0), *args, config=ON)
