@@ -30,11 +30,11 @@ from .scaled_mm import _bias, _epilogue, _scale_b
 
 @triton.jit
 def row_scale(
-    a_ptr, K, stride_ak, divisor, floor,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    a_ptr, K, stride_ak,
+    DIVISOR: tl.constexpr, FLOOR: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """The int8 per-token scale of the float row ``a`` (1, K), ``max(amax / divisor, floor)``
-    in fp32 with a correctly rounded division (``ops.dynamic.quantize_rows``'s recipe); NaN
+    (``DIVISOR``, ``FLOOR``) in fp32 with a correctly rounded division (``ops.dynamic.quantize_rows``'s recipe); NaN
     where the row holds one, as torch's ``amax`` gives (a GPU's max drops NaN)."""
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     nans = tl.zeros((BLOCK_K,), dtype=tl.int32)
@@ -47,8 +47,7 @@ def row_scale(
         xf = x.to(tl.float32)
         amax = tl.maximum(amax, tl.abs(xf))
         nans += (xf != xf).to(tl.int32)
-    # (Inductor passes Python floats as fp64; the recipe's division is fp32's)
-    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), tl.cast(divisor, tl.float32)), tl.cast(floor, tl.float32))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), DIVISOR), FLOOR)
     return tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
 
 
@@ -106,7 +105,6 @@ def scaled_gemv_kernel(
     # Sizes and strides
     N, K,
     stride_ak, stride_bn, stride_on,
-    divisor, floor,  # QUANT: row_scale's
     # Epilogue variant (as scaled_mm_kernel's)
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, AZP: tl.constexpr, RAW_ACC: tl.constexpr,
@@ -114,10 +112,13 @@ def scaled_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
     QUANT: tl.constexpr = False,  # a is a float row, quantized per token to int8 here
+    # QUANT's recipe (row_scale); constexprs, so the other launches take no argument more
+    # (the recipe's two values per model compile once)
+    DIVISOR: tl.constexpr = 1.0, FLOOR: tl.constexpr = 0.0,
 ):
     x_scale = 1.0
     if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
-        x_scale = row_scale(a_ptr, K, stride_ak, divisor, floor, BLOCK_K, EVEN_K)
+        x_scale = row_scale(a_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K)
     acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
                                   BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.

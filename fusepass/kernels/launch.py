@@ -269,7 +269,8 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
         if not gemv_allowed(a, b) or cfg.split_k != 1:
             raise ValueError(f"a gemv config needs M = 1, b contiguous along K, a static K and split_k 1, got "
                              f"a {tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
-        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),), {"QUANT": False, **flags, **tiling, "EVEN_K": even_k})
+        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),), {"QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, **flags, **tiling,
+                                                             "EVEN_K": even_k})
     tma = cfg.tma and tma_allowed(a, b, fake)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     tiling.update(BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m)
@@ -285,10 +286,8 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
     return Plan(scaled_mm_kernel, (tiles, cfg.split_k), constexprs, split_k=cfg.split_k, tma=tma)
 
 
-def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp,
-         divisor: float = 1.0, floor: float = 0.0):
-    """Launch the kernel of one config (``plan``); returns the new (M, N) output. ``divisor``
-    and ``floor``: the M = 1 kernel's per-token scale where it quantizes ``a`` (QUANT)."""
+def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp):
+    """Launch the kernel of one config (``plan``); returns the new (M, N) output."""
     M, K = a.shape
     N = b.shape[1]
     out = new_output(a, b, out_dtype)
@@ -306,7 +305,7 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     if p.persistent:
         args = (*operands, M, N, K, a.stride(0), b.stride(1), out.stride(0))
     elif p.gemv:
-        args = (*operands, N, K, a.stride(1), b.stride(1), out.stride(1), divisor, floor)
+        args = (*operands, N, K, a.stride(1), b.stride(1), out.stride(1))
     else:
         acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
         partial, tickets = split_k_buffers(p.split_k, p.grid[0], M, N, acc_dtype, a.device, fake)
@@ -420,10 +419,9 @@ def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tenso
     fake = _traced(x)
     scale_b, bias = (_flat(t, fake) for t in (scale_b, bias))
     flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=_per_element(scale_b), HAS_BIAS=bias is not None,
-                 AZP=0, RAW_ACC=False, QUANT=True)
+                 AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor))
     cfg = gemv_config(int(b.shape[1]), int(x.shape[1]), sm_count(x.device))
-    return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None,
-                                           divisor, floor))
+    return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None))
 
 
 def launch_scaled_mm(
