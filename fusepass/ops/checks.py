@@ -122,11 +122,12 @@ def _check_operands(op: str, a, b, in_dtypes) -> tuple:
 
 
 def _check_devices(op: str, tensors: dict) -> None:
-    a = tensors["a"]
+    """Every tensor on the device of the first (the op's activation, named so in the error)."""
+    first, ref = next(iter(tensors.items()))
     for name, t in tensors.items():
-        if t.device != a.device:
+        if t.device != ref.device:
             raise ValueError(
-                f"{op}: all tensors must be on one device; `a` is on {a.device} "
+                f"{op}: all tensors must be on one device; `{first}` is on {ref.device} "
                 f"but `{name}` is on {t.device}"
             )
 

@@ -23,12 +23,12 @@ fewer. Its divisions are IEEE fp32 divisions; eager CUDA multiplies by the divis
 reciprocal and Inductor's ``x / s`` may be approximate, so its scale and values can differ
 from those by an fp32 rounding (within the numerics policy; the same in Triton's interpreter
 against the CPU's). A row holding a NaN gives a NaN scale, as torch's ``amax`` does. (Not for
-fp8: on an H200 Triton's fp32 -> e4m3 cast gave other values than torch's for some rows.) Not
-yet measured on a GPU: the pass makes these calls only where ``PassConfig(quantize_in_gemv=True)``
-asks. Elsewhere (other M, other layouts, the CPU) it quantizes with the ATen ops above and
-runs ``scaled_mm``; traced, Inductor fuses that quantization into its own kernels as before.
-The pass makes these calls, where asked, only where the activation comes from an op Inductor
-cannot fuse the quantization into (``passes/quantize_in.py``).
+fp8: on an H200 Triton's fp32 -> e4m3 cast gave other values than torch's for some rows.)
+Elsewhere (other M, other layouts, fp8, the CPU) it quantizes with the ATen ops above and runs
+``scaled_mm``; traced, Inductor fuses that quantization into its own kernels as before.
+The pass makes these calls only where ``PassConfig(quantize_in_gemv=True)`` asks (not yet
+measured on a GPU), and only where the activation comes from an op Inductor cannot fuse the
+quantization into (``passes/quantize_in.py``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import triton_op
 
 from ..kernels.launch import gemv_quantizes, launch_gemv_quantized
-from .checks import (INPUT_DTYPES, MAX_K_INT8, OUT_DTYPES, _check_bias, _check_k, _check_scale, _check_tensor, _describe,
-                     check_gpu, check_out_dtype)
+from .checks import (INPUT_DTYPES, MAX_K_INT8, OUT_DTYPES, _check_bias, _check_devices, _check_k, _check_scale,
+                     _check_tensor, _describe, check_gpu, check_out_dtype)
 from .scaled_mm import IMPLS, _compute, _plain_eager
 
 Tensor = torch.Tensor
@@ -75,11 +75,9 @@ def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor) -> None:
         raise ValueError(f"{OP}: `divisor` must be > 0 and `floor` >= 0; got {divisor!r}, {floor!r}")
     K, N = b.shape
     _check_scale(OP, "scale_b", scale_b, N, 1)
-    tensors = {"b": b, "scale_b": scale_b}
+    tensors = {"x": x, "b": b, "scale_b": scale_b}
     _check_bias(OP, bias, N, tensors)
-    for name, t in tensors.items():
-        if t.device != x.device:
-            raise ValueError(f"{OP}: all tensors must be on one device; `x` is on {x.device} but `{name}` is on {t.device}")
+    _check_devices(OP, tensors)
     if b.dtype == torch.int8:
         _check_k(OP, K, MAX_K_INT8)
     check_gpu(OP, x.device, b.dtype)
