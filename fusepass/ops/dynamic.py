@@ -26,9 +26,9 @@ against the CPU's). A row holding a NaN gives a NaN scale, as torch's ``amax`` d
 fp8: on an H200 Triton's fp32 -> e4m3 cast gave other values than torch's for some rows.)
 Elsewhere (other M, other layouts, fp8, the CPU) it quantizes with the ATen ops above and runs
 ``scaled_mm``; traced, Inductor fuses that quantization into its own kernels as before.
-The pass makes these calls only where ``PassConfig(quantize_in_gemv=True)`` asks (not yet
-measured on a GPU), and only where the activation comes from an op Inductor cannot fuse the
-quantization into (``passes/quantize_in.py``).
+The pass makes these calls where the launches run outside CUDA graphs (or where
+``PassConfig.quantize_in_gemv`` says so), and only where the activation comes from an op
+Inductor cannot fuse the quantization into (``passes/quantize_in.py``).
 """
 
 from __future__ import annotations

@@ -71,9 +71,11 @@ class PassConfig:
     # buffers) run as one matmul over their union (passes/join.py), at every M.
     join_siblings: bool = True
     # At M = 1, an int8 activation from attention (a multi-output op) quantized inside the M = 1
-    # kernel, not by a kernel of its own before it (passes/quantize_in.py). Off until a GPU
-    # run measures it (benchmarks/NOTES.md run 25, step 7: built without device time left).
-    quantize_in_gemv: bool = False
+    # kernel, not by a kernel of its own before it (passes/quantize_in.py). None: where the
+    # launches run outside CUDA graphs (as decode_splits tells), where a step is bound by its
+    # launches; measured at 32 layers, b1 (H200, benchmarks/NOTES.md run 26): default mode
+    # 1.20x -> 1.28x bf16, CUDA graphs 1.46x -> 1.44x (each program reads the row twice more).
+    quantize_in_gemv: bool | None = None
 
     def __post_init__(self):
         unknown = set(self.patterns) - set(PATTERNS)
@@ -143,15 +145,16 @@ class FusePass(CustomGraphPass):
         # Where decode launches split K (inside Inductor's CUDA graphs, or where the caller
         # captures) only groups on the M = 1 kernel's rows: the group has no split, and the
         # members' tuned splits fill the GPU where the group's tiles would not.
+        captured = self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False)
         if self.config.group_max_m > 0:
-            splits = self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False)
-            for names in group_siblings(graph, self.config.group_max_m, gemv_only=splits):
+            for names in group_siblings(graph, self.config.group_max_m, gemv_only=captured):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
         changed = joined or any(d.fused or d.rerouted for d in decisions)
         if changed:
             graph.eliminate_dead_code()  # (the rewritten matmuls' old forms: users of the quantized rows)
-        quantized = self.config.quantize_in_gemv and quantize_in_gemv(graph)
+        quantize_in = self.config.quantize_in_gemv
+        quantized = (not captured if quantize_in is None else quantize_in) and quantize_in_gemv(graph)
         for name in quantized or ():
             count(QUANTIZED_IN)
             log.debug("fusepass: %s quantizes its activation in its own launch", name)

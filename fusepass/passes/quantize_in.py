@@ -1,5 +1,5 @@
-"""Quantize a decode activation inside the M = 1 kernel where no other kernel can. Off by
-default (``PassConfig.quantize_in_gemv``): built without a GPU run to measure it.
+"""Quantize a decode activation inside the M = 1 kernel where no other kernel can. By default
+where the launches run outside CUDA graphs (``PassConfig.quantize_in_gemv``; the numbers there).
 
 Matches: an int8 ``fusepass.scaled_mm`` call at a static M = 1, ``b`` stored as ``w.t()``,
 whose ``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and used by
@@ -15,7 +15,8 @@ quantization kernel (``ops/dynamic.py`` says why). A Llama layer's o_proj: the o
 quantization kernel of a decode layer that Inductor launches on its own (q/k/v's and gate/up's
 fuse into the RMSNorm kernel, down_proj's into the SiLU-mul one). Why: a default-mode decode
 step is bound by its launches (``benchmarks/NOTES.md`` run 25, step 4); this is one of a
-layer's 17 (an upper bound on the gain: each program also reads the row twice more).
+layer's 17. Inside CUDA graphs a launch costs nothing and each program reads the row twice
+more, so there it is a little slower (run 26).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""passes/quantize_in.py (``PassConfig(quantize_in_gemv=True)``; off by default): at M = 1 an
-int8 activation from attention quantized inside its matmul's launch
-(``fusepass.scaled_mm_dynamic``); other activations, other M, rows used twice, fp8: not."""
+"""passes/quantize_in.py (``PassConfig.quantize_in_gemv``; by default where the launches run
+outside CUDA graphs): at M = 1 an int8 activation from attention quantized inside its matmul's
+launch (``fusepass.scaled_mm_dynamic``); other activations, other M, rows used twice, fp8: not."""
 
 import expecttest
 import torch
@@ -51,8 +51,21 @@ class TestQuantizeIn(expecttest.TestCase):
         self.assertRegex(calls[0], r"= fusepass\.scaled_mm_dynamic\(view, \w+, \w+, bf16, None, 127\.5, 1\.1920928955078125e-07\)")
         self.assertNotIn("amax", r.after)
 
+    def test_by_default_only_outside_cuda_graphs(self):
+        """The default (None) quantizes in the launch where the launches run outside CUDA graphs
+        (a step bound by its launches); where Inductor's CUDA graphs hold them, or the caller
+        captures the code itself, the row keeps its kernel (each program reads it twice more)."""
+        args = _inputs()
+        self.assertEqual(run_pass(_attention_then_linear, *args).counts, {"dequant_mm": 1, NAME: 1})
+        with torch._inductor.config.patch({"triton.cudagraphs": True}):
+            self.assertEqual(run_pass(_attention_then_linear, *args).counts, {"dequant_mm": 1})
+        with torch._inductor.config.patch({"triton.cudagraphs": True}):  # (forced on)
+            self.assertEqual(run_pass(_attention_then_linear, *args, config=ON).counts, {"dequant_mm": 1, NAME: 1})
+        r = run_pass(_attention_then_linear, *args, config=PassConfig(split_k_outside_cuda_graphs=True))
+        self.assertEqual(r.counts, {"dequant_mm": 1})
+
     def test_other_rows_and_the_config_leave_the_quantization_alone(self):
-        for rows, config in ((2, ON), (1, None)):  # (the default: off)
+        for rows, config in ((2, ON), (1, PassConfig(quantize_in_gemv=False))):
             with self.subTest(rows=rows):
                 args = _inputs(rows)
                 r = run_pass(_attention_then_linear, *args, config=config)
