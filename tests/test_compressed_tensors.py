@@ -103,8 +103,7 @@ def test_every_quantized_linear_fuses(checkpoints, scheme, step, batch, device):
     in_gemv = ct.SIZES["num_hidden_layers"] if (scheme, step, batch) == ("W8A8", "decode", 1) else 0
     assert found.pop(QUANTIZED_IN, 0) == in_gemv, found
     assert set(found) <= PATTERNS[KIND[scheme]] and sum(found.values()) == ct.QUANTIZED_LINEARS, found
-    # (q/k/v and gate/up joined; not block-wise calls)
-    assert joined == (0 if scheme == "FP8_BLOCK" else 2 * ct.SIZES["num_hidden_layers"]), (joined, found)
+    assert joined == 2 * ct.SIZES["num_hidden_layers"], (joined, found)  # (q/k/v and gate/up)
 
 
 @pytest.mark.parametrize("scheme", ["W8A8", "FP8_DYNAMIC", "FP8_BLOCK"])

@@ -237,8 +237,7 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
                 log.debug("fusepass.prepare: left %s as it is: %s", path, found)
             elif found is not None:
                 bias = child.bias
-                # (block-wise calls are not joined: each keeps its buffer, the scales unsliced)
-                alone = not join or found.act.kind == "fp8-block"
+                alone = not join
                 key = (found.act, found.weight.shape[1], found.weight.device,
                        None if bias is None else bias.dtype, name if alone else None)
                 groups[key].append((name, child, found))

@@ -1,10 +1,11 @@
 """Join sibling fused matmuls over touching row ranges of one weight buffer into one matmul.
 
-Matches: 2 or more ``fusepass.scaled_mm`` (or ``scaled_mm_azp``) calls on the same activation
-value (and activation scale, and zero point) whose weight is
+Matches: 2 or more ``fusepass.scaled_mm`` (or ``scaled_mm_azp``, ``scaled_mm_blockwise``)
+calls on the same activation value (and activation scale, and zero point) whose weight is
 ``W[lo:hi].t()`` and whose per-column operands (weight scale; row sums and bias where
-present) are ``X[lo:hi]`` of one buffer each, with the same ``lo:hi`` per call, and whose
-ranges touch (one call's ``hi`` is the next one's ``lo``; non-negative static bounds). This is what the siblings that
+present) are ``X[lo:hi]`` of one buffer each, with the same ``lo:hi`` per call (a block-wise
+weight scale: ``S[lo / 128:hi / 128].t()``, its rows of 128x128 blocks), and whose ranges
+touch (one call's ``hi`` is the next one's ``lo``; non-negative static bounds). This is what the siblings that
 ``fusepass.prepare`` puts in one buffer compute (``integrations/linear.py``): a Llama
 layer's q, k and v, its gate and up.
 
@@ -24,6 +25,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
+from ..kernels.blockwise import BLOCK
 from .graph import VIEW_OPS, Inserter, aten, is_call, prims, schema_args, tensor_val
 from .group import value_ids
 
@@ -34,7 +36,10 @@ NAME = "joined_siblings"
 _ROWS = {
     fusepass.scaled_mm.default: (3, 5),  # scale_b, bias
     fusepass.scaled_mm_azp.default: (3, 5, 7),  # scale_b, azp_adj, bias
+    fusepass.scaled_mm_blockwise.default: (5,),  # bias
 }
+# Per op: the position of a block-wise weight scale, (K / 128, N / 128), cut along its dim 1.
+_BLOCKS = {fusepass.scaled_mm_blockwise.default: 3}
 
 
 _OUT_DTYPE = 4  # (the position of out_dtype in both ops' schemas)
@@ -66,6 +71,21 @@ def _weight_rows(b) -> tuple[fx.Node, int, int] | None:
     return None
 
 
+def _block_rows(node) -> tuple[fx.Node, int, int] | None:
+    """(S, lo, hi) where ``node`` is ``S[lo:hi].t()``: transposed, or one row of blocks viewed
+    as a column (what the block-wise pattern makes of it)."""
+    found = _weight_rows(node)
+    if found is not None:
+        return found
+    src = node
+    while is_call(src, *VIEW_OPS):
+        src = src.args[0]
+    if src is not node and tensor_val(src).dim() == 2 and tensor_val(src).shape[0] == 1 \
+            and tensor_val(node).dim() == 2 and tensor_val(node).shape[1] == 1:
+        return _rows(src)
+    return None
+
+
 def _member(node: fx.Node, ids: dict):
     """(key, lo, hi) of a call that can join others, or None."""
     args = schema_args(node)
@@ -79,7 +99,12 @@ def _member(node: fx.Node, ids: dict):
     for i, arg in enumerate(args):
         if i in (1, _OUT_DTYPE):
             continue
-        if i in _ROWS[node.target] and arg is not None:
+        if i == _BLOCKS.get(node.target):
+            rows = _block_rows(arg)
+            if rows is None or lo % BLOCK or hi % BLOCK or rows[1:] != (lo // BLOCK, hi // BLOCK):
+                return None
+            key.append(("blocks", rows[0]))
+        elif i in _ROWS[node.target] and arg is not None:
             rows = _rows(_peel_views(arg))
             if rows is None or rows[1:] != (lo, hi) or tensor_val(arg).dim() != 1:
                 return None
@@ -103,6 +128,10 @@ def _replace(graph: fx.Graph, members: list, ranges: dict, ins: Inserter) -> Non
     for i in _ROWS[members[0].target]:
         if args[i] is not None:
             new[i] = cut(_peel_views(args[i]))
+    if members[0].target in _BLOCKS:
+        i = _BLOCKS[members[0].target]
+        rows = ins.call(aten.slice.Tensor, _block_rows(args[i])[0], 0, lo0 // BLOCK, hi_n // BLOCK)
+        new[i] = ins.call(aten.permute.default, rows, [1, 0])
     dtypes = {schema_args(m)[_OUT_DTYPE] for m in members}
     new[_OUT_DTYPE] = dtypes.pop() if len(dtypes) == 1 else torch.float32
     out = ins.call(members[0].target, *new)

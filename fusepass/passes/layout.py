@@ -166,18 +166,24 @@ def step(node: fx.Node, lay: list) -> list | None:
 
 def trace(node: fx.Node) -> tuple[fx.Node, list]:
     """(source, layout of ``node`` over it): back through layout ops to the first node that is
-    none (any tensor: a placeholder, a computed scale). An op the analysis cannot follow
-    becomes the source itself (sound: the layout of any tensor over itself is the identity)."""
-    chain = []
-    while _is_layout_op(node):
-        chain.append(node)
-        node = node.args[0]
-    src, lay = node, source(tensor_val(node).shape)
-    for n in reversed(chain):
-        lay = step(n, lay)
-        if lay is None:
-            src, lay = n, source(tensor_val(n).shape)
-    return src, lay
+    none (any tensor: a placeholder, a computed scale), or to the farthest node back from
+    which the analysis can follow every op up to ``node`` (sound: the layout of any tensor
+    over itself is the identity). (A slice of a buffer's first rows is followed, and a later
+    view that merges its rows with a broadcast is not: there the slice is the source, as a
+    joined buffer's first member's ``blocks[:2].repeat_interleave(128, 0)`` needs.)"""
+    chain = [node]
+    while _is_layout_op(chain[-1]):
+        chain.append(chain[-1].args[0])
+    chain.reverse()  # (the source candidate first)
+    for start, src in enumerate(chain):
+        lay = source(tensor_val(src).shape)
+        for n in chain[start + 1:]:
+            lay = step(n, lay)
+            if lay is None:
+                break
+        else:
+            return src, lay
+    raise AssertionError("unreachable: the last start is node itself, with nothing to follow")
 
 
 def broadcast(lay: list, shape) -> list | None:

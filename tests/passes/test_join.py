@@ -2,13 +2,15 @@
 
 Graph tests on ``W8A8Linear``s (fusepass.prepare's modules) sharing a ``Joint``: what joins
 (counts, the graph, numerics against eager) and what must not (other activations, ranges
-that do not touch, separate buffers, bounds counted from the end).
+that do not touch, separate buffers, bounds counted from the end); block-wise fp8 siblings,
+whose weight scale is cut by rows of 128x128 blocks.
 """
 
 from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from torch import nn
 
@@ -18,14 +20,20 @@ from fusepass.passes.join import NAME as JOINED
 from tests.passes.harness import run_pass
 
 K = 64
+BK = 256  # the block-wise tests' K: two 128-wide groups
+FP8_BLOCK = Act("fp8-block", 448.0)
 
 
 def _joint(rows: list[int], act: Act, bias: bool = False, seed: int = 0) -> tuple[Joint, list[W8A8Linear]]:
     g = torch.Generator().manual_seed(seed)
     n = sum(rows)
-    w = torch.randint(-127, 128, (n, K), generator=g, dtype=torch.int8)
-    joint = Joint(w, torch.rand(n, generator=g) / 100 + 1e-3,
-                  w.sum(1, dtype=torch.int32) if act.kind == "int8-asym" else None,
+    if act.kind == "fp8-block":  # (one scale per 128x128 block)
+        w = (torch.randn(n, BK, generator=g) * 64).to(torch.float8_e4m3fn)
+        scale = torch.rand(n // 128, BK // 128, generator=g) / 100 + 1e-3
+    else:
+        w = torch.randint(-127, 128, (n, K), generator=g, dtype=torch.int8)
+        scale = torch.rand(n, generator=g) / 100 + 1e-3
+    joint = Joint(w, scale, w.sum(1, dtype=torch.int32) if act.kind == "int8-asym" else None,
                   torch.randn(n, generator=g).bfloat16() if bias else None)
     members, lo = [], 0
     for r in rows:
@@ -46,8 +54,8 @@ class Siblings(nn.Module):
         return [m(xs[i]) for m, i in zip(self.members, self.inputs, strict=True)]
 
 
-def _x(m: int = 32, seed: int = 1):
-    return torch.randn(m, K, generator=torch.Generator().manual_seed(seed)).bfloat16()
+def _x(m: int = 32, seed: int = 1, k: int = K):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
 def _calls(after: str) -> int:
@@ -129,6 +137,29 @@ def test_negative_bounds_are_not_joined():
     r = run_pass(two, xq, xs, w, s)
     assert JOINED not in r.counts, r.counts
     assert [tuple(o.shape) for o in r.out] == [(32, 32), (32, 16)]
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_blockwise_siblings_join_over_their_rows_of_blocks(m):
+    """A prepared FP8_BLOCK layer's q/k/v (and gate/up): one call over the union's weight rows
+    and rows of blocks of its scale; at M = 1 too, where a member of one block row reads its
+    scale as a view (not a transpose), and where the first member's is a slice of the
+    buffer's first rows."""
+    _, members = _joint([256, 128, 128], FP8_BLOCK, bias=True)
+    model, x = Siblings(members, [0, 0, 0]), _x(m, k=BK)
+    r = run_pass(model, x)
+    assert r.counts == {"dequant_mm_blockwise": 3, JOINED: 1}, r.counts
+    assert len(re.findall(r"= fusepass\.scaled_mm_blockwise\(", r.after)) == 1, r.after
+    assert re.search(r"slice\.Tensor\(\w+weight_scale, 0, 0, 4\)", r.after), r.after
+    _check_eager(model, [x], r.out)
+
+
+def test_blockwise_scales_from_another_buffer_are_not_joined():
+    """Block-wise siblings over one weight buffer whose scales are in two buffers stay apart."""
+    joint, (a, b) = _joint([256, 128], FP8_BLOCK)
+    other = Joint(joint.weight, joint.weight_scale.clone())
+    r = run_pass(Siblings([a, W8A8Linear(other, 256, 384, FP8_BLOCK)], [0, 0]), _x(1, k=BK))
+    assert r.counts == {"dequant_mm_blockwise": 2}, r.counts
 
 
 def test_join_off_in_the_config():
