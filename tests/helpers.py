@@ -145,6 +145,20 @@ SPLIT_REQUESTS = [(False, False), ("select_config", False), (True, False), ("sel
                   (True, True), ("bucket_choices", True)]
 
 
+def quantized_row_bound(x, s, b, scale_b, ref, bias=None) -> torch.Tensor:
+    """Per column (N,), how far the M = 1 kernel quantizing the row ``x`` (1, K) in its launch
+    may land from ``ref``, ``quantize_rows`` (scale ``s``) then the kernel. The kernel's scale
+    is the IEEE division ``amax / divisor``; eager CUDA multiplies by the reciprocal, an fp32
+    rounding apart (measured on an H200: 1 ulp above in 9 rows of 27), so a value whose
+    ``x / s`` sits at a rounding tie (a .5: 13 of K = 5000 in one row) may round the other
+    way: one step of that element's weight per column, and the scale's rounding on the sum."""
+    v = (x.float() / s).abs().flatten()
+    tie = ((v - v.floor()) - 0.5).abs() < 1e-4  # (K,)
+    steps = (b.abs().float() * tie[:, None]).sum(0)  # (N,)
+    rounding = 1e-6 * (ref.float().abs().flatten() + (0 if bias is None else bias.float().abs().flatten()))
+    return s.flatten() * scale_b.float().abs().flatten() * steps + rounding
+
+
 def record_split_requests(monkeypatch, module, run, tensors) -> list:
     """``run(*tensors)`` eagerly and traced (fake, symbolic) with ``module``'s
     ``decode_splits``, ``select_config`` and ``bucket_choices`` recorded; M must not be 1

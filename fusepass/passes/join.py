@@ -42,7 +42,7 @@ _ROWS = {
 _BLOCKS = {fusepass.scaled_mm_blockwise.default: 3}
 
 
-_OUT_DTYPE = 4  # (the position of out_dtype in both ops' schemas)
+_OUT_DTYPE = 4  # (the position of out_dtype in the three ops' schemas)
 
 
 def _rows(node) -> tuple[fx.Node, int, int] | None:
