@@ -23,7 +23,9 @@ fewer. Its divisions are IEEE fp32 divisions; eager CUDA multiplies by the divis
 reciprocal and Inductor's ``x / s`` may be approximate, so its scale and values can differ
 from those by an fp32 rounding (within the numerics policy; the same in Triton's interpreter
 against the CPU's). A row holding a NaN gives a NaN scale, as torch's ``amax`` does. (Not for
-fp8: on an H200 Triton's fp32 -> e4m3 cast gave other values than torch's for some rows.)
+fp8: on an H200 its e4m3 values were once not equal to torch's for a row, an exact check made
+before the int8 differences were traced to ties under the scale's rounding (``benchmarks/
+NOTES.md`` run 26, step 3); not examined since, so fp8 keeps its quantization kernel.)
 Elsewhere (other M, other layouts, fp8, the CPU) it quantizes with the ATen ops above and runs
 ``scaled_mm``; traced, Inductor fuses that quantization into its own kernels as before.
 The pass makes these calls where the launches run outside CUDA graphs (or where
