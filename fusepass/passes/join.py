@@ -72,16 +72,17 @@ def _weight_rows(b) -> tuple[fx.Node, int, int] | None:
 
 
 def _block_rows(node) -> tuple[fx.Node, int, int] | None:
-    """(S, lo, hi) where ``node`` is ``S[lo:hi].t()``: transposed, or one row of blocks viewed
-    as a column (what the block-wise pattern makes of it)."""
+    """(S, lo, hi) where ``node`` is ``S[lo:hi].t()``: transposed, or, where one of its sizes is
+    1 (one row of blocks, or one 128-wide group of K), viewed to the transposed shape (what
+    the block-wise pattern makes of it; the same elements in the same order)."""
     found = _weight_rows(node)
     if found is not None:
         return found
     src = node
     while is_call(src, *VIEW_OPS):
         src = src.args[0]
-    if src is not node and tensor_val(src).dim() == 2 and tensor_val(src).shape[0] == 1 \
-            and tensor_val(node).dim() == 2 and tensor_val(node).shape[1] == 1:
+    shape, flipped = tensor_val(src).shape, tensor_val(node).shape
+    if src is not node and len(shape) == len(flipped) == 2 and 1 in shape and list(shape) == list(flipped)[::-1]:
         return _rows(src)
     return None
 

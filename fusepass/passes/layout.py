@@ -164,17 +164,34 @@ def step(node: fx.Node, lay: list) -> list | None:
     return lay  # clone, float-to-float cast: the same values
 
 
+def _reads_whole(shape, lay: list) -> bool:
+    """Whether a value of layout ``lay`` reads every element of its source (of ``shape``): each
+    source dim of size > 1 steps through all its indices in some dim (a dim of size S reads
+    digit ``(i // inner) % n`` of an atom of size n for i < S: all n where S > (n - 1) * inner)."""
+    whole = set()
+    for dim in lay:
+        inner = 1
+        for a in reversed(dim.atoms):
+            if a.src is not None and statically_known_true(dim.size > (a.size - 1) * inner):
+                whole.add(a.src)
+            inner = inner * a.size
+    return all(d in whole for d, n in enumerate(shape) if not _one(n))
+
+
 def trace(node: fx.Node) -> tuple[fx.Node, list]:
-    """(source, layout of ``node`` over it): back through layout ops to the first node that is
-    none (any tensor: a placeholder, a computed scale), or to the farthest node back from
-    which the analysis can follow every op up to ``node`` (sound: the layout of any tensor
-    over itself is the identity). (A slice of a buffer's first rows is followed, and a later
-    view that merges its rows with a broadcast is not: there the slice is the source, as a
-    joined buffer's first member's ``blocks[:2].repeat_interleave(128, 0)`` needs.)"""
+    """(source, layout of ``node`` over it): back through layout ops to a source (any tensor: a
+    placeholder, a computed scale) from which the analysis can follow every op up to ``node``
+    (sound: the layout of any tensor over itself is the identity); of those before ``node``
+    itself (whose identity layout says nothing), the farthest back that ``node`` reads whole,
+    else the farthest. (A slice to a ragged size keeps its source; a slice of a buffer's first
+    rows, ``s[:m].repeat_interleave(128, 1)`` or a joined buffer's first member's
+    ``blocks[:1]...``, is the source itself: the buffer is read only in part. A scale with
+    groups that ``node`` does not reach keeps its source, which the error messages name.)"""
     chain = [node]
     while _is_layout_op(chain[-1]):
         chain.append(chain[-1].args[0])
-    chain.reverse()  # (the source candidate first)
+    chain.reverse()  # (the source candidates, farthest first)
+    farthest = None
     for start, src in enumerate(chain):
         lay = source(tensor_val(src).shape)
         for n in chain[start + 1:]:
@@ -182,8 +199,10 @@ def trace(node: fx.Node) -> tuple[fx.Node, list]:
             if lay is None:
                 break
         else:
-            return src, lay
-    raise AssertionError("unreachable: the last start is node itself, with nothing to follow")
+            if src is not node and _reads_whole(tensor_val(src).shape, lay):
+                return src, lay
+            farthest = farthest or (src, lay)
+    return farthest  # (node itself at the latest: its own identity layout reads it whole)
 
 
 def broadcast(lay: list, shape) -> list | None:

@@ -162,6 +162,25 @@ expand_default: f32[3, 2] = aten.expand(reshape_default, [3, 2])
 scaled_mm_blockwise_default: bf16[8, 200] = fusepass.scaled_mm_blockwise(x, permute_default, sx, expand_default, bf16, None)
 return [scaled_mm_blockwise_default]""")
 
+    def test_dequant_scales_sliced_from_a_buffers_first_rows(self):
+        """Scales cut from the first rows of larger buffers (a joined buffer's first member, a
+        preallocated activation-scale buffer), one row or several: each slice is the source
+        (read whole), not the buffer, which the spread reads only in part."""
+        def f(x, sx_buf, w, sw_buf):
+            m, k, n = x.shape[0], x.shape[1], w.shape[0]
+            xd = x.to(BF16) * sx_buf[:m].repeat_interleave(128, 1)
+            wd = w.to(BF16) * sw_buf[:n // 128].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            return F.linear(xd, wd)
+
+        for n in (128, 256):
+            with self.subTest(n=n):
+                p = make_block_problem(M, n, 256)
+                x, w = p.a, p.b.t()
+                sx_buf = torch.cat([p.scale_a, torch.rand(3, 2)])  # (M + 3, K / 128)
+                sw_buf = torch.cat([p.scale_b.t(), torch.rand(2, 2)])  # (N / 128 + 2, K / 128)
+                r = self.fused(f, (x, sx_buf, w, sw_buf), "dequant_mm_blockwise")
+                assert_policy(r.out, f(x, sx_buf, w, sw_buf), block_oracle(p)[0])
+
     def test_dequant_dynamic_m_compiles_once(self):
         p = make_block_problem(M, N, K)
         w, sw = p.b.t(), p.scale_b.t()

@@ -24,12 +24,12 @@ BK = 256  # the block-wise tests' K: two 128-wide groups
 FP8_BLOCK = Act("fp8-block", 448.0)
 
 
-def _joint(rows: list[int], act: Act, bias: bool = False, seed: int = 0) -> tuple[Joint, list[W8A8Linear]]:
+def _joint(rows: list[int], act: Act, bias: bool = False, seed: int = 0, k: int = BK) -> tuple[Joint, list[W8A8Linear]]:
     g = torch.Generator().manual_seed(seed)
     n = sum(rows)
     if act.kind == "fp8-block":  # (one scale per 128x128 block)
-        w = (torch.randn(n, BK, generator=g) * 64).to(torch.float8_e4m3fn)
-        scale = torch.rand(n // 128, BK // 128, generator=g) / 100 + 1e-3
+        w = (torch.randn(n, k, generator=g) * 64).to(torch.float8_e4m3fn)
+        scale = torch.rand(n // 128, k // 128, generator=g) / 100 + 1e-3
     else:
         w = torch.randint(-127, 128, (n, K), generator=g, dtype=torch.int8)
         scale = torch.rand(n, generator=g) / 100 + 1e-3
@@ -139,18 +139,20 @@ def test_negative_bounds_are_not_joined():
     assert [tuple(o.shape) for o in r.out] == [(32, 32), (32, 16)]
 
 
+@pytest.mark.parametrize("rows,k", [([256, 128, 128], 256), ([128, 128], 256), ([128, 256], 256),
+                                    ([256, 128], 128)])
 @pytest.mark.parametrize("m", [1, 32])
-def test_blockwise_siblings_join_over_their_rows_of_blocks(m):
+def test_blockwise_siblings_join_over_their_rows_of_blocks(m, rows, k):
     """A prepared FP8_BLOCK layer's q/k/v (and gate/up): one call over the union's weight rows
-    and rows of blocks of its scale; at M = 1 too, where a member of one block row reads its
-    scale as a view (not a transpose), and where the first member's is a slice of the
-    buffer's first rows."""
-    _, members = _joint([256, 128, 128], FP8_BLOCK, bias=True)
-    model, x = Siblings(members, [0, 0, 0]), _x(m, k=BK)
+    and rows of blocks of its scale; at M = 1 too, where a member of one row of blocks (or
+    each, at one 128-wide group of K) reads its scale as a view, not a transpose; the first
+    member's scale, a slice of the buffer's first rows, found whole."""
+    _, members = _joint(rows, FP8_BLOCK, bias=True, k=k)
+    model, x = Siblings(members, [0] * len(rows)), _x(m, k=k)
     r = run_pass(model, x)
-    assert r.counts == {"dequant_mm_blockwise": 3, JOINED: 1}, r.counts
+    assert r.counts == {"dequant_mm_blockwise": len(rows), JOINED: 1}, r.counts
     assert len(re.findall(r"= fusepass\.scaled_mm_blockwise\(", r.after)) == 1, r.after
-    assert re.search(r"slice\.Tensor\(\w+weight_scale, 0, 0, 4\)", r.after), r.after
+    assert re.search(rf"slice\.Tensor\(\w+weight_scale, 0, 0, {sum(rows) // 128}\)", r.after), r.after
     _check_eager(model, [x], r.out)
 
 
