@@ -60,8 +60,9 @@ class PassConfig:
     # Compiled decode launches split K only inside Inductor's CUDA graphs (fusepass.kernels.
     # launch.decode_splits): outside them each split costs a launch. True where the caller
     # captures the compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor
-    # cannot see. (The backend applies it to op calls AOTAutograd traces too; stock Inductor
-    # with inductor_options() to the calls the pass makes.)
+    # cannot see; it also turns quantize_in_gemv's default off. (The backend applies it to op
+    # calls AOTAutograd traces too; stock Inductor with inductor_options() to the calls the
+    # pass makes.)
     split_k_outside_cuda_graphs: bool = False
     # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v) at a static M up to this
     # run as one scaled_mm_group launch (passes/group.py); where decode launches split K
