@@ -81,10 +81,11 @@ def _block_rows(node) -> tuple[fx.Node, int, int] | None:
     src = node
     while is_call(src, *VIEW_OPS):
         src = src.args[0]
-    shape, flipped = tensor_val(src).shape, tensor_val(node).shape
-    if src is not node and len(shape) == len(flipped) == 2 and 1 in shape and list(shape) == list(flipped)[::-1]:
-        return _rows(src)
-    return None
+    found = _rows(src) if src is not node else None
+    shape, flipped = list(tensor_val(src).shape), list(tensor_val(node).shape)
+    if found is None or not all(isinstance(n, int) for n in shape + flipped):  # (no guards on sizes)
+        return None
+    return found if len(shape) == len(flipped) == 2 and 1 in shape and shape == flipped[::-1] else None
 
 
 def _member(node: fx.Node, ids: dict):

@@ -159,22 +159,27 @@ def step(node: fx.Node, lay: list) -> list | None:
     if is_call(node, aten.permute.default):
         return [lay[d % len(lay)] for d in node.args[1]]
     if is_call(node, aten.slice.Tensor):
-        args = list(node.args) + [0, None, None, 1][len(node.args) - 1:]
-        return _slice(lay, args[1] % len(lay), args[2], args[3], args[4])
+        # (a symbolic bound is a size node in the graph: its SymInt is what compares)
+        args = [a.meta["val"] if isinstance(a, fx.Node) else a for a in node.args[1:]]
+        args += [0, None, None, 1][len(args):]
+        return _slice(lay, args[0] % len(lay), args[1], args[2], args[3])
     return lay  # clone, float-to-float cast: the same values
 
 
 def _reads_whole(shape, lay: list) -> bool:
     """Whether a value of layout ``lay`` reads every element of its source (of ``shape``): each
-    source dim of size > 1 steps through all its indices in some dim (a dim of size S reads
-    digit ``(i // inner) % n`` of an atom of size n for i < S: all n where S > (n - 1) * inner)."""
+    source dim of size > 1 is in a dim whose indices i < S reach every combination of its
+    source atoms' digits: the smallest index with each at its largest, the sum of
+    ``(n - 1) * inner`` over them (``inner``: the sizes of the atoms after it), is below S."""
     whole = set()
     for dim in lay:
-        inner = 1
+        inner, reach = 1, 0
         for a in reversed(dim.atoms):
-            if a.src is not None and statically_known_true(dim.size > (a.size - 1) * inner):
-                whole.add(a.src)
+            if a.src is not None:
+                reach = reach + (a.size - 1) * inner
             inner = inner * a.size
+        if dim.full or statically_known_true(dim.size > reach):
+            whole.update(a.src for a in dim.atoms if a.src is not None)
     return all(d in whole for d, n in enumerate(shape) if not _one(n))
 
 

@@ -181,6 +181,34 @@ return [scaled_mm_blockwise_default]""")
                 r = self.fused(f, (x, sx_buf, w, sw_buf), "dequant_mm_blockwise")
                 assert_policy(r.out, f(x, sx_buf, w, sw_buf), block_oracle(p)[0])
 
+    def test_dequant_scale_cut_from_a_buffer_at_a_symbolic_m(self):
+        """``buf[:m]`` at a dynamic M: the slice's bound is a size node in the graph; fused,
+        once, the slice the source; a buffer of another shape too (both dynamic)."""
+        def f(x, sx_buf, w, sw):
+            xd = x.to(BF16) * sx_buf[:x.shape[0]].repeat_interleave(128, 1)
+            return F.linear(xd, w.to(BF16) * sw.repeat_interleave(128, 0).repeat_interleave(128, 1))
+
+        p, q = make_block_problem(M, 256, 256), make_block_problem(20, 256, 256, seed=1)
+        w, sw = p.b.t(), p.scale_b.t()
+        x, buf = p.a.clone(), torch.cat([p.scale_a, torch.rand(3, 2)])
+        torch._dynamo.mark_dynamic(x, 0)
+        torch._dynamo.mark_dynamic(buf, 0)
+        r = run_pass(f, x, buf, w, sw, calls=[(q.a, torch.cat([q.scale_a, torch.rand(5, 2)]), w, sw)])
+        self.assertEqual((r.counts, r.compiles), ({"dequant_mm_blockwise": 1}, 1))
+        assert_policy(r.out, f(x, buf, w, sw), block_oracle(p)[0])
+
+    def test_dequant_scale_rows_of_a_flattened_buffer_read_in_part(self):
+        """``buf.view(12, 2)[:9]`` of a (3, 4, 2) buffer reads its first two dims' digits each
+        fully but not every pair: the slice is the source, not the buffer."""
+        def f(x, sbuf, w, sw):
+            xd = x.to(BF16) * sbuf.view(12, 2)[:9].repeat_interleave(128, 1)
+            return F.linear(xd, w.to(BF16) * sw.repeat_interleave(128, 0).repeat_interleave(128, 1))
+
+        p = make_block_problem(9, 256, 256)
+        sbuf = torch.cat([p.scale_a, torch.rand(3, 2)]).view(3, 4, 2)
+        r = self.fused(f, (p.a, sbuf, p.b.t(), p.scale_b.t()), "dequant_mm_blockwise")
+        assert_policy(r.out, f(p.a, sbuf, p.b.t(), p.scale_b.t()), block_oracle(p)[0])
+
     def test_dequant_dynamic_m_compiles_once(self):
         p = make_block_problem(M, N, K)
         w, sw = p.b.t(), p.scale_b.t()
@@ -337,3 +365,12 @@ def test_transposed_activation_is_left_unchanged():
     (d,) = r.decisions
     assert not d.fused and "the dequantized activation is transposed" in d.reason, d.reason
     torch.testing.assert_close(r.out, f(xt, sxt, p.b.t(), p.scale_b.t()))
+
+
+def test_symbolic_k_is_left_with_its_reason():
+    """The reference form compiled with every size dynamic (its ``[..., :k]`` slices then end at
+    size nodes): left as it is, with the reason, not a failed compile."""
+    p = make_block_problem(M, N, K)
+    r = run_pass(dequant_linear, p.a, p.scale_a, p.b.t(), p.scale_b.t(), None, dynamic=True)
+    (d,) = r.decisions
+    assert r.counts == {} and not d.fused and "a block-wise matmul with a symbolic K or N" in d.reason, d.reason
