@@ -112,6 +112,13 @@ def cast_dtype(node):
     return None
 
 
+def peel_views(node):
+    """What ``node`` is a view of (through reshapes and views): the same elements, in order."""
+    while is_call(node, *VIEW_OPS):
+        node = node.args[0]
+    return node
+
+
 def peel_expand(arg):
     """``t`` for ``t.expand(...)``: an expanded multiplier holds the values of ``t``."""
     while is_call(arg, aten.expand.default):

@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
 from ..kernels.blockwise import BLOCK
-from .graph import VIEW_OPS, Inserter, aten, is_call, prims, schema_args, tensor_val
+from .graph import VIEW_OPS, Inserter, aten, is_call, peel_views, prims, schema_args, tensor_val
 from .group import value_ids
 
 fusepass = torch.ops.fusepass
@@ -78,9 +78,7 @@ def _block_rows(node) -> tuple[fx.Node, int, int] | None:
     found = _weight_rows(node)
     if found is not None:
         return found
-    src = node
-    while is_call(src, *VIEW_OPS):
-        src = src.args[0]
+    src = peel_views(node)
     found = _rows(src) if src is not node else None
     shape, flipped = list(tensor_val(src).shape), list(tensor_val(node).shape)
     if found is None or not all(isinstance(n, int) for n in shape + flipped):  # (no guards on sizes)

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
-from .graph import VIEW_OPS, Inserter, aten, cast_dtype, is_call, schema_args, tensor_val
+from .graph import VIEW_OPS, Inserter, aten, cast_dtype, is_call, peel_views, schema_args, tensor_val
 
 fusepass = torch.ops.fusepass
 NAME = "quantized_in_gemv"
@@ -86,12 +86,6 @@ def _from_multi_output(x) -> bool:
     return is_call(x, operator.getitem)
 
 
-def _peel(node):
-    while is_call(node, *VIEW_OPS):
-        node = node.args[0]
-    return node
-
-
 def quantize_in_gemv(graph: fx.Graph) -> list[str]:
     """Rewrite each matching call (module docstring); returns the names of those replaced."""
     done = []
@@ -101,7 +95,7 @@ def quantize_in_gemv(graph: fx.Graph) -> list[str]:
                 and len(a.users) == 1):
             continue
         found = _quantization(a)
-        if found is None or _peel(scale_a) is not found[1] or not _from_multi_output(found[0]):
+        if found is None or peel_views(scale_a) is not found[1] or not _from_multi_output(found[0]):
             continue
         x, _, divisor, floor = found
         ins = Inserter(graph, node)

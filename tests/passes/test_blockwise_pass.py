@@ -167,7 +167,7 @@ return [scaled_mm_blockwise_default]""")
         preallocated activation-scale buffer), one row or several: each slice is the source
         (read whole), not the buffer, which the spread reads only in part."""
         def f(x, sx_buf, w, sw_buf):
-            m, k, n = x.shape[0], x.shape[1], w.shape[0]
+            m, n = x.shape[0], w.shape[0]
             xd = x.to(BF16) * sx_buf[:m].repeat_interleave(128, 1)
             wd = w.to(BF16) * sw_buf[:n // 128].repeat_interleave(128, 0).repeat_interleave(128, 1)
             return F.linear(xd, wd)
