@@ -100,6 +100,17 @@ def path_cases() -> int:
         torch.cuda.synchronize()
         assert ((out - ref).abs().flatten() <= quantized_row_bound(x, s, p.b, p.scale_b, ref, p.bias)).all(), (N, K)
         n += 1
+        # ... and gated, silu(gate) * x: Triton's exp is not CUDA's, so a few values may round to a
+        # neighbour (a step of their weight each, as test_scaled_mm_dynamic's kernel test allows)
+        gate = torch.randn_like(x)
+        out = launch_gemv_quantized(x, p.b, p.scale_b, torch.float32, p.bias, 127.5, eps, gate=gate)
+        h = torch.nn.functional.silu(gate) * x
+        q, s = quantize_rows(h, torch.int8, 127.5, eps)
+        ref = launch_scaled_mm(q, p.b, s, p.scale_b, torch.float32, p.bias, config=gemv_config(N, K, sm_count(x.device)))
+        torch.cuda.synchronize()
+        few = s.flatten() * p.scale_b.float().abs().flatten() * p.b.abs().float().max(0).values * max(2, K // 100)
+        assert ((out - ref).abs().flatten() <= quantized_row_bound(h, s, p.b, p.scale_b, ref, p.bias) + few).all(), (N, K)
+        n += 1
     return n
 
 
@@ -112,8 +123,9 @@ def main() -> int:
     n = (ops_cases() if "ops" in parts else 0) + (path_cases() if "paths" in parts else 0)
     print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} "
           f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel on each of "
-          f"{len(GEMV_NK)} (N, K) x variant, alone, grouped without zero points, and quantizing its own row "
-          f"(int8: the quantization then the kernel, to a step where the scales' roundings differ)), all match")
+          f"{len(GEMV_NK)} (N, K) x variant, alone, grouped without zero points, and quantizing its own row, "
+          f"plain and gated (int8: the quantization then the kernel, to a step where the roundings differ)), "
+          f"all match")
     return 0
 
 

@@ -108,8 +108,9 @@ def test_prepared_model_fuses_every_linear_and_joins_siblings(bf16_model, quant,
     # (fused whole, or at M = 1 up to a residual add that reads as a bias: "in part")
     assert len(decisions) == LINEARS and all(d.fused for d in decisions), [d for d in decisions if not d.fused]
     joined = counts.pop(JOINED, 0)
-    # (outside CUDA graphs, each o_proj's int8 row quantized in its M = 1 launch: passes/quantize_in.py)
-    assert counts.pop(QUANTIZED_IN, 0) == (SIZES.layers if (quant, step, batch) == ("int8", "decode", 1) else 0)
+    # (outside CUDA graphs, each o_proj's and down_proj's int8 row quantized in its M = 1 launch:
+    # passes/quantize_in.py)
+    assert counts.pop(QUANTIZED_IN, 0) == (2 * SIZES.layers if (quant, step, batch) == ("int8", "decode", 1) else 0)
     assert set(counts) <= PATTERN[quant] and sum(counts.values()) == LINEARS, counts
     assert joined == 2 * SIZES.layers, (joined, counts)  # q/k/v and gate/up
     if eager is not None:  # (quantized activations round differently in the traced order)
@@ -117,17 +118,18 @@ def test_prepared_model_fuses_every_linear_and_joins_siblings(bf16_model, quant,
 
 
 @pytest.mark.parametrize("step", ["prefill", "decode"])
-def test_quantize_in_gemv_takes_each_o_proj_at_decode_b1(bf16_model, step):
+def test_quantize_in_gemv_takes_each_o_proj_and_down_proj_at_decode_b1(bf16_model, step):
     """``PassConfig(quantize_in_gemv=True)`` (the default outside CUDA graphs): each layer's
-    o_proj (its input: attention's output) at decode b1 becomes one ``scaled_mm_dynamic``; the
-    logits as with ``False``."""
+    o_proj (its input: attention's output) and down_proj (its input: the SiLU-mul of gate/up's
+    joined output) at decode b1 become one ``scaled_mm_dynamic`` each; the logits as with
+    ``False`` (on the CPU the op quantizes with eager's ops)."""
     model, _ = _prepared(bf16_model, "int8")
     ids = models.prompt(bf16_model, 1, 8, seed=2)
     inputs = (lambda: dict(input_ids=ids)) if step == "prefill" else \
         (lambda: models.decode_inputs(ids, models.static_cache(model, 1, 16)))
     _, counts, out = _graph_counts(model, inputs(), PassConfig(quantize_in_gemv=True))
     _, plain, want = _graph_counts(model, inputs(), PassConfig(quantize_in_gemv=False))
-    assert counts.pop(QUANTIZED_IN, 0) == (SIZES.layers if step == "decode" else 0) and counts == plain, counts
+    assert counts.pop(QUANTIZED_IN, 0) == (2 * SIZES.layers if step == "decode" else 0) and counts == plain, counts
     assert torch.equal(out, want)
 
 

@@ -29,22 +29,53 @@ from .scaled_mm import _bias, _epilogue, _scale_b
 
 
 @triton.jit
-def row_scale(
-    a_ptr, K, stride_ak,
-    DIVISOR: tl.constexpr, FLOOR: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+def _rounded(x, dtype: tl.constexpr):
+    """The fp32 ``x`` rounded to ``dtype`` (bf16, fp16 or fp32) to nearest even, held in fp32.
+    bf16 by its bits: Triton's interpreter truncates an fp32 -> bf16 cast (measured, Triton
+    3.9), and the tests compare this rounding exactly against eager's."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _row_block(
+    a_ptr, g_ptr, offs_k, K, stride_ak,  # the row (1, K) and, where GATED, its gate (1, K): one stride
+    EVEN_K: tl.constexpr, GATED: tl.constexpr,
 ):
-    """The int8 per-token scale of the float row ``a`` (1, K), ``max(amax / divisor, floor)``
+    """The row's block at ``offs_k`` (zeros past K): in ``a``'s dtype; where GATED, in fp32,
+    ``silu(g) * a`` computed as a ``transformers`` MLP's traced graph does it (``x / (1 + exp(-x))``
+    in fp32, each op's result rounded to ``a``'s dtype as eager rounds it)."""
+    offs = offs_k.to(tl.int64) * stride_ak
+    if EVEN_K:
+        x = tl.load(a_ptr + offs)
+    else:
+        x = tl.load(a_ptr + offs, mask=offs_k < K, other=0.0)
+    if GATED:
+        if EVEN_K:
+            g = tl.load(g_ptr + offs).to(tl.float32)
+        else:
+            g = tl.load(g_ptr + offs, mask=offs_k < K, other=0.0).to(tl.float32)
+        silu = _rounded(g / (1.0 + tl.exp(-g)), a_ptr.dtype.element_ty)
+        x = _rounded(silu * x.to(tl.float32), a_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def row_scale(
+    a_ptr, g_ptr, K, stride_ak,
+    DIVISOR: tl.constexpr, FLOOR: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+):
+    """The int8 per-token scale of the float row (``_row_block``'s), ``max(amax / divisor, floor)``
     (``DIVISOR``, ``FLOOR``) in fp32 with a correctly rounded division (``ops.dynamic.quantize_rows``'s recipe); NaN
     where the row holds one, as torch's ``amax`` gives (a GPU's max drops NaN)."""
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     nans = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-        if EVEN_K:
-            x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak)
-        else:
-            x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
-        xf = x.to(tl.float32)
+        xf = _row_block(a_ptr, g_ptr, offs_k, K, stride_ak, EVEN_K, GATED).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(xf))
         nans += (xf != xf).to(tl.int32)
     scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), DIVISOR), FLOOR)
@@ -70,6 +101,7 @@ def gemv_rows(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
     x_scale,  # QUANT: the float row's scale (row_scale); else unused
     QUANT: tl.constexpr,  # a is a float row, quantized to int8 here (else b's dtype)
+    g_ptr, GATED: tl.constexpr,  # QUANT: the row is silu(g) * a (_row_block); else None, False
 ):
     """The main loop: (acc (BLOCK_N,) of a @ b's columns, their indices cols (BLOCK_N,),
     offs_n: cols with ragged ones read as column 0). Also ``group.py``'s, at M = 1."""
@@ -85,11 +117,10 @@ def gemv_rows(
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         if EVEN_K:
             w = tl.load(row_starts[:, None] + offs_k[None, :])  # (BLOCK_N, BLOCK_K)
-            x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak)
         else:
             # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
             w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
-            x = tl.load(a_ptr + offs_k.to(tl.int64) * stride_ak, mask=offs_k < K, other=0.0)
+        x = _row_block(a_ptr, g_ptr, offs_k, K, stride_ak, EVEN_K, GATED)
         if QUANT:
             x = _quantized(x, x_scale)
         acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
@@ -102,6 +133,7 @@ def scaled_gemv_kernel(
     a_ptr, b_ptr, out_ptr,  # (1, K), (K, N) with unit stride along K, (1, N)
     scale_a_ptr, scale_b_ptr,  # (1,) (None where QUANT), (N,) or (1,); fp32, bf16 or fp16
     bias_ptr, azp_adj_ptr, azp_ptr,  # (N,), (N,), (1,); None when unused
+    g_ptr,  # (1, K) with a's strides: GATED's gate; else None
     # Sizes and strides
     N, K,
     stride_ak, stride_bn, stride_on,
@@ -115,12 +147,13 @@ def scaled_gemv_kernel(
     # QUANT's recipe (row_scale); constexprs, so the other launches take no argument more
     # (the recipe's two values per model compile once)
     DIVISOR: tl.constexpr = 1.0, FLOOR: tl.constexpr = 0.0,
+    GATED: tl.constexpr = False,  # QUANT's row is silu(g) * a (a Llama MLP's down_proj input)
 ):
     x_scale = 1.0
     if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
-        x_scale = row_scale(a_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K)
+        x_scale = row_scale(a_ptr, g_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED)
     acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
-                                  BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT)
+                                  BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT, g_ptr, GATED)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
     if QUANT:  # the row's scale in a register, then the epilogue's other steps, in its order

@@ -269,8 +269,8 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
         if not gemv_allowed(a, b) or cfg.split_k != 1:
             raise ValueError(f"a gemv config needs M = 1, b contiguous along K, a static K and split_k 1, got "
                              f"a {tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
-        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),), {"QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, **flags, **tiling,
-                                                             "EVEN_K": even_k})
+        return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),),
+                    {"QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, "GATED": False, **flags, **tiling, "EVEN_K": even_k})
     tma = cfg.tma and tma_allowed(a, b, fake)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     tiling.update(BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m)
@@ -286,8 +286,9 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
     return Plan(scaled_mm_kernel, (tiles, cfg.split_k), constexprs, split_k=cfg.split_k, tma=tma)
 
 
-def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp):
-    """Launch the kernel of one config (``plan``); returns the new (M, N) output."""
+def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_b, bias, azp_adj, azp, gate=None):
+    """Launch the kernel of one config (``plan``); returns the new (M, N) output. ``gate``: the
+    M = 1 kernel's GATED operand."""
     M, K = a.shape
     N = b.shape[1]
     out = new_output(a, b, out_dtype)
@@ -305,7 +306,7 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     if p.persistent:
         args = (*operands, M, N, K, a.stride(0), b.stride(1), out.stride(0))
     elif p.gemv:
-        args = (*operands, N, K, a.stride(1), b.stride(1), out.stride(1))
+        args = (*operands, gate, N, K, a.stride(1), b.stride(1), out.stride(1))
     else:
         acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
         partial, tickets = split_k_buffers(p.split_k, p.grid[0], M, N, acc_dtype, a.device, fake)
@@ -404,24 +405,29 @@ def cond_choice(pred, if_true, if_false, operands: tuple, symbols: tuple):
     return out
 
 
-def gemv_quantizes(x: torch.Tensor, b: torch.Tensor) -> bool:
+def gemv_quantizes(x: torch.Tensor, b: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
     """Where ``launch_gemv_quantized`` runs: an int8 ``b`` on the M = 1 kernel's rows, which
-    fill the GPU."""
-    return b.dtype == torch.int8 and gemv_allowed(x, b) and gemv_fills(int(b.shape[1]), x.device)
+    fill the GPU; a ``gate`` of ``x``'s dtype, shape and strides (the kernel reads both rows with
+    one stride)."""
+    return (b.dtype == torch.int8 and gemv_allowed(x, b) and gemv_fills(int(b.shape[1]), x.device)
+            and (gate is None or (gate.dtype == x.dtype and gate.shape == x.shape
+                                  and statically_known_true(gate.stride(1) == x.stride(1)))))
 
 
 def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
-                          bias: torch.Tensor | None, divisor: float, floor: float) -> torch.Tensor:
-    """``x`` (1, K), a float row, quantized per token to int8 inside the M = 1 kernel
-    (``gemv.py``'s QUANT), times the int8 ``b`` with scaled_mm's epilogue: one
-    launch where a quantization kernel and ``launch_scaled_mm`` take two. Validated inputs
-    where ``gemv_quantizes``; eager, interpreted and traced alike."""
+                          bias: torch.Tensor | None, divisor: float, floor: float,
+                          gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (1, K), a float row (or, given ``gate``, ``silu(gate) * x``: ``gemv.py``'s GATED),
+    quantized per token to int8 inside the M = 1 kernel (``gemv.py``'s QUANT), times the int8
+    ``b`` with scaled_mm's epilogue: one launch where a quantization kernel and
+    ``launch_scaled_mm`` take two. Validated inputs where ``gemv_quantizes``; eager,
+    interpreted and traced alike."""
     fake = _traced(x)
     scale_b, bias = (_flat(t, fake) for t in (scale_b, bias))
     flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=_per_element(scale_b), HAS_BIAS=bias is not None,
-                 AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor))
+                 AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor), GATED=gate is not None)
     cfg = gemv_config(int(b.shape[1]), int(x.shape[1]), sm_count(x.device))
-    return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None))
+    return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None, gate))
 
 
 def launch_scaled_mm(

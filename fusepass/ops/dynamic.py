@@ -1,6 +1,8 @@
 """The op ``fusepass::scaled_mm_dynamic``: a float activation quantized per token, then
 ``scaled_mm``, as one op.
 
+    if gate is not None:
+        x = silu(gate) * x  # in x's dtype, as eager rounds each op
     q, scale_a = quantize_rows(x, b.dtype, divisor, floor)
     out = scaled_mm(q, b, scale_a, scale_b, out_dtype, bias)
 
@@ -13,13 +15,18 @@ dynamic per-token recipes, as ``fusepass.prepare``'s modules quantize):
   448)`` cast to e4m3 (``divisor`` 448).
 
 Arguments: ``x`` [M, K] bfloat16, float16 or float32; ``b``, ``scale_b``, ``out_dtype`` and
-``bias`` as ``scaled_mm``'s (``fusepass/ops/scaled_mm.py``); ``divisor`` > 0, ``floor`` >= 0.
+``bias`` as ``scaled_mm``'s (``fusepass/ops/scaled_mm.py``); ``divisor`` > 0, ``floor`` >= 0;
+``gate`` None or a tensor of ``x``'s dtype, shape and device (a gated MLP's gate projection:
+``x`` is then its up projection, and the row quantized the SiLU-mul of the two).
 Returns a new contiguous [M, N] tensor of ``out_dtype``.
 
 Why an op of its own: at M = 1 (decode at batch 1) on CUDA, with an int8 ``b = w.t()``, the
 M = 1 kernel quantizes the row itself (``kernels/gemv.py``, QUANT: each program reads the row's
 amax, then its blocks, from L2), so no quantization kernel runs before it: one launch a call
-fewer. Its divisions are IEEE fp32 divisions; eager CUDA multiplies by the divisor's
+fewer. With a ``gate`` of ``x``'s strides it also computes the SiLU-mul (GATED: ``g / (1 +
+exp(-g))`` in fp32, as Inductor's decomposition, each op rounded to ``x``'s dtype), so no
+SiLU-mul kernel runs either; its ``exp`` may differ from eager's by an fp32 rounding, so a value
+can round to a neighbour of eager's in ``x``'s dtype. Its divisions are IEEE fp32 divisions; eager CUDA multiplies by the divisor's
 reciprocal and Inductor's ``x / s`` may be approximate, so its scale and values can differ
 from those by an fp32 rounding (within the numerics policy; the same in Triton's interpreter
 against the CPU's). A row holding a NaN gives a NaN scale, as torch's ``amax`` does. (Not for
@@ -65,9 +72,14 @@ def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float) -
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
 
 
-def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor) -> None:
+def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate=None) -> None:
     """Validate the arguments (``scaled_mm``'s checks, ``x`` in place of ``a`` and ``scale_a``)."""
     _check_tensor(OP, "x", x, X_DTYPES)
+    if gate is not None:
+        _check_tensor(OP, "gate", gate, X_DTYPES)
+        if gate.dtype != x.dtype or gate.shape != x.shape:
+            raise ValueError(f"{OP}: `gate` must have `x`'s dtype and shape; got gate {_describe(gate)}, "
+                             f"x {_describe(x)}")
     _check_tensor(OP, "b", b, INPUT_DTYPES)
     if x.dim() != 2 or b.dim() != 2 or b.shape[0] != x.shape[1]:
         raise ValueError(f"{OP}: `x` must be [M, K] and `b` [K, N]; got x {_describe(x)}, b {_describe(b)}")
@@ -78,6 +90,8 @@ def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor) -> None:
     K, N = b.shape
     _check_scale(OP, "scale_b", scale_b, N, 1)
     tensors = {"x": x, "b": b, "scale_b": scale_b}
+    if gate is not None:
+        tensors["gate"] = gate
     _check_bias(OP, bias, N, tensors)
     _check_devices(OP, tensors)
     if b.dtype == torch.int8:
@@ -93,12 +107,15 @@ def scaled_mm_dynamic_impl(
     bias: Optional[Tensor] = None,
     divisor: float = 127.5,
     floor: float = torch.finfo(torch.float32).eps,
+    gate: Optional[Tensor] = None,
 ) -> Tensor:
-    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor)
+    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
     if statically_known_true(x.shape[1] == 0):
         return _compute(x, b, None, scale_b, out_dtype, bias)  # (an empty sum: the bias alone)
-    if x.device.type == "cuda" and gemv_quantizes(x, b):
-        return launch_gemv_quantized(x, b, scale_b, out_dtype, bias, divisor, floor)
+    if x.device.type == "cuda" and gemv_quantizes(x, b, gate):
+        return launch_gemv_quantized(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
+    if gate is not None:
+        x = torch.nn.functional.silu(gate) * x
     q, scale_a = quantize_rows(x, b.dtype, divisor, floor)
     return _compute(q, b, scale_a, scale_b, out_dtype, bias)
 
@@ -109,15 +126,16 @@ IMPLS[torch.ops.fusepass.scaled_mm_dynamic.default] = scaled_mm_dynamic_impl  # 
 
 @torch.library.register_fake("fusepass::scaled_mm_dynamic")
 def _scaled_mm_dynamic_fake(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
-                            floor=torch.finfo(torch.float32).eps):
-    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor)
+                            floor=torch.finfo(torch.float32).eps, gate=None):
+    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
     return x.new_empty((x.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 def scaled_mm_dynamic(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
-                      floor=torch.finfo(torch.float32).eps) -> Tensor:
-    """``x`` (float [M, K]) quantized per token to ``b``'s dtype, then ``scaled_mm``: see the
-    module docstring. Same as ``torch.ops.fusepass.scaled_mm_dynamic``."""
-    if out_dtype not in OUT_DTYPES or not _plain_eager(x, b, scale_b, bias):
-        return torch.ops.fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, divisor, floor)
-    return scaled_mm_dynamic_impl(x, b, scale_b, out_dtype, bias, divisor, floor)
+                      floor=torch.finfo(torch.float32).eps, gate=None) -> Tensor:
+    """``x`` (float [M, K]; given ``gate``, ``silu(gate) * x``) quantized per token to ``b``'s
+    dtype, then ``scaled_mm``: see the module docstring. Same as
+    ``torch.ops.fusepass.scaled_mm_dynamic``."""
+    if out_dtype not in OUT_DTYPES or not _plain_eager(x, b, scale_b, bias, gate):
+        return torch.ops.fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
+    return scaled_mm_dynamic_impl(x, b, scale_b, out_dtype, bias, divisor, floor, gate)

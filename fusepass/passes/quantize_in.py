@@ -1,22 +1,29 @@
-"""Quantize a decode activation inside the M = 1 kernel where no other kernel can. By default
+"""Quantize a decode activation inside the M = 1 kernel where it saves a launch. By default
 where the launches run outside CUDA graphs (``PassConfig.quantize_in_gemv``; the numbers there).
 
 Matches: an int8 ``fusepass.scaled_mm`` call at a static M = 1, ``b`` stored as ``w.t()``,
 whose ``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and used by
 nothing else, in the ATen form ``ops.dynamic.quantize_rows`` traces (a ``fusepass.prepare``d
 linear traces the same): ``clamp_max(clamp_min(round(xf / s), -128), 127).to(int8)`` with
-``s = clamp_min(amax(abs(xf), -1) / D, F)`` (``xf`` is ``x`` cast to fp32, or ``x``), where ``x`` comes through views from an output of a
-multi-output op (a ``getitem``: attention), which runs as a kernel of its own that Inductor
-cannot fuse the quantization into.
+``s = clamp_min(amax(abs(xf), -1) / D, F)`` (``xf`` is ``x`` cast to fp32, or ``x``), where either
 
-Becomes: ``fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, D, F)``; on CUDA the
-M = 1 kernel quantizes the row itself (``kernels/gemv.py``). fp8 rows are left to their
-quantization kernel (``ops/dynamic.py`` says why). A Llama layer's o_proj: the one
-quantization kernel of a decode layer that Inductor launches on its own (q/k/v's and gate/up's
-fuse into the RMSNorm kernel, down_proj's into the SiLU-mul one). Why: a default-mode decode
-step is bound by its launches (``benchmarks/NOTES.md`` run 25, step 4); this is one of a
-layer's 17. Inside CUDA graphs a launch costs nothing and each program reads the row twice
-more, so there it is a little slower (run 26).
+- ``x`` comes through views from an output of a multi-output op (a ``getitem``: attention),
+  which runs as a kernel of its own that Inductor cannot fuse the quantization into; or
+- ``x`` is a gated MLP's ``silu(g) * u`` as its traced graph holds it (``mul(silu, u)`` or
+  ``mul(u, silu)``, ``silu`` = ``gf / (1 + exp(-gf))`` with ``gf`` = ``g`` cast to fp32 and the
+  result cast back to ``u``'s dtype, or all of it in fp32), ``g`` and ``u`` of one dtype and
+  shape, and ``x`` used by nothing but the quantization.
+
+Becomes: ``fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, D, F)``, or for the
+gated row ``fusepass.scaled_mm_dynamic(u, b, scale_b, out_dtype, bias, D, F, g)``; on CUDA the
+M = 1 kernel quantizes (and gates) the row itself (``kernels/gemv.py``). fp8 rows are left to
+their quantization kernel (``ops/dynamic.py`` says why). A Llama layer's o_proj and down_proj:
+o_proj's quantization is the one of a decode layer that Inductor launches on its own (q/k/v's
+and gate/up's fuse into the RMSNorm kernel); down_proj's is fused with the SiLU-mul into a
+kernel that the gated row makes unnecessary. Why: a default-mode decode step is bound by its
+launches (``benchmarks/NOTES.md`` run 25, step 4); each is one of a layer's 17. Inside CUDA
+graphs a launch costs nothing and each program reads the row twice more, so there it is a
+little slower (run 26).
 """
 
 from __future__ import annotations
@@ -62,7 +69,8 @@ def _scale(s):
 
 
 def _quantization(a):
-    """(x, s, D, F) where ``a`` is the quantized row (module docstring), else None."""
+    """(x, s, D, F, nodes: those that read ``x``) where ``a`` is the quantized row (module
+    docstring), else None."""
     if cast_dtype(a) != torch.int8:
         return None
     v = _one_arg(_one_arg(_one_arg(a.args[0], aten.clamp_max.default, 127), aten.clamp_min.default, -128),
@@ -76,7 +84,42 @@ def _quantization(a):
     x = xf.args[0] if cast_dtype(xf) == torch.float32 else xf
     if tensor_val(x).dtype not in (torch.bfloat16, torch.float16, torch.float32) or tensor_val(xf).dtype != torch.float32:
         return None
-    return x, v.args[1], divisor, floor
+    abs_ = v.args[1].args[0].args[0].args[0]  # (s = clamp_min(amax(abs(xf)) / D, F))
+    return x, v.args[1], divisor, floor, {xf} if xf is not x else {v, abs_}
+
+
+def _silu_of(node, dtype):
+    """``g`` where ``node`` is ``silu(g)`` of a ``dtype`` row as decomposed (module docstring)."""
+    if dtype != torch.float32:
+        if cast_dtype(node) != dtype:
+            return None
+        node = node.args[0]
+    if not (is_call(node, aten.div.Tensor) and is_call(node.args[1], aten.add.Tensor)
+            and node.args[1].args[1] == 1):
+        return None
+    gf = node.args[0]
+    if _one_arg(_one_arg(node.args[1].args[0], aten.exp.default), aten.neg.default) is not gf:
+        return None
+    g = gf if dtype == torch.float32 else gf.args[0] if cast_dtype(gf) == torch.float32 else None
+    return g if g is not None and tensor_val(g).dtype == dtype else None
+
+
+def _gated(x, quantization: set):
+    """(g, u) where ``x`` is (through views used once) ``silu(g) * u`` used by nothing but the
+    ``quantization``'s nodes, else None."""
+    if set(x.users) - quantization:
+        return None
+    mul = x
+    while is_call(mul, *VIEW_OPS) and len(mul.args[0].users) == 1:
+        mul = mul.args[0]
+    if not is_call(mul, aten.mul.Tensor) or not all(isinstance(t, fx.Node) for t in mul.args):
+        return None
+    dtype = tensor_val(mul).dtype
+    for silu, u in (mul.args, mul.args[::-1]):
+        g = _silu_of(silu, dtype)
+        if g is not None and tensor_val(u).dtype == dtype and tensor_val(g).shape == tensor_val(u).shape:
+            return g, u
+    return None
 
 
 def _from_multi_output(x) -> bool:
@@ -95,11 +138,20 @@ def quantize_in_gemv(graph: fx.Graph) -> list[str]:
                 and len(a.users) == 1):
             continue
         found = _quantization(a)
-        if found is None or peel_views(scale_a) is not found[1] or not _from_multi_output(found[0]):
+        if found is None or peel_views(scale_a) is not found[1]:
             continue
-        x, _, divisor, floor = found
+        x, _, divisor, floor, readers = found
+        gated = _gated(x, readers)
+        if gated is None and not _from_multi_output(x):
+            continue
         ins = Inserter(graph, node)
-        new = ins.call(fusepass.scaled_mm_dynamic.default, x, b, scale_b, out_dtype, bias, divisor, floor)
+        if gated is None:
+            args = (x, b, scale_b, out_dtype, bias, divisor, floor)
+        else:  # (as rows of x's shape: the gated MLP's are (B, S, K))
+            g, u = (t if tensor_val(t).shape == tensor_val(x).shape else
+                    ins.call(aten.reshape.default, t, list(tensor_val(x).shape)) for t in gated)
+            args = (u, b, scale_b, out_dtype, bias, divisor, floor, g)
+        new = ins.call(fusepass.scaled_mm_dynamic.default, *args)
         new.meta["stack_trace"] = node.meta.get("stack_trace")
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -64,6 +64,33 @@ def test_the_m1_kernel_quantizing_its_row_is_the_quantization_then_the_kernel(N,
     assert ((out - ref).abs().flatten() <= quantized_row_bound(x, s, b, sb, ref, bias)).all()
 
 
+def _gated_row(K, x_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(1, K, generator=g) * 3).to(x_dtype).to(DEVICE) for _ in range(2))  # gate, up
+
+
+@pytest.mark.parametrize("K", [33, 1000, 4096 + 512])
+@pytest.mark.parametrize("x_dtype", [BF16, torch.float16, torch.float32])
+def test_the_m1_kernel_gates_its_row_as_eager_rounds(K, x_dtype):
+    """GATED: the row ``silu(gate) * up``, each op rounded to the row's dtype, then quantized:
+    read back through an identity weight (out = scale * q), as eager's ``F.silu(gate) * up``
+    quantized. In the interpreter exactly; on a GPU Triton's ``exp`` is not CUDA's, so a value
+    may round to a neighbour in the row's dtype: at most one step, at few elements."""
+    gate, up = _gated_row(K, x_dtype)
+    eye = torch.eye(K, dtype=I8, device=DEVICE)  # (b = w.t() of w = I: columns contiguous along K)
+    out = launch.launch_gemv_quantized(up, eye.t(), torch.ones(K, device=DEVICE), torch.float32, None, 127.5,
+                                       SCALE_EPS, gate=gate)
+    q, s = quantize_rows(torch.nn.functional.silu(gate) * up, I8, 127.5, SCALE_EPS)
+    ref = (q.float() * s).flatten()
+    if DEVICE == "cpu":
+        assert torch.equal(out.flatten(), ref)
+        unrounded = gate.float() / (1 + torch.exp(-gate.float())) * up.float()  # (no rounding between the ops)
+        assert K < 100 or x_dtype == torch.float32 or not torch.equal(quantize_rows(unrounded, I8, 127.5, SCALE_EPS)[0], q)
+    else:
+        apart = (out.flatten() - ref).abs()
+        assert (apart <= 1.01 * s.flatten()).all() and int((apart > 0).sum()) <= max(2, K // 100)
+
+
 def test_a_nan_in_the_row_gives_nan():
     x, b, sb, bias = _problem(64, 100, I8)
     x[0, 37] = float("nan")
@@ -101,9 +128,40 @@ def test_the_op_takes_the_quantizing_kernel_at_one_row_on_cuda_for_int8(monkeypa
         assert ((out.float() - want.float()).abs().flatten() <= bound).all()
 
 
+def test_the_op_with_a_gate_is_silu_mul_then_the_quantization():
+    x, b, sb, bias = _problem(4096, 512, I8, device="cpu")
+    gate = torch.randn_like(x)
+    q, s = quantize_rows(torch.nn.functional.silu(gate) * x, I8, 127.5, SCALE_EPS)
+    want = fusepass.scaled_mm(q, b, s, sb, BF16, bias)
+    assert torch.equal(scaled_mm_dynamic(x, b, sb, BF16, bias, 127.5, SCALE_EPS, gate), want)
+    assert torch.equal(torch.ops.fusepass.scaled_mm_dynamic(x, b, sb, BF16, bias, 127.5, SCALE_EPS, gate), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strided", [False, True], ids=["rows", "gate-strided"])
+def test_the_op_takes_the_gating_kernel_where_both_rows_share_a_stride(monkeypatch, strided):
+    """A gate read with ``x``'s stride runs in the M = 1 kernel; one of another stride takes
+    the ATen ops (SiLU-mul, the quantization), then ``scaled_mm``."""
+    x, b, sb, bias = _problem(4096, 4096, I8)
+    gate = torch.randn(1, 2 * 4096, device=DEVICE).to(BF16)[:, ::2] if strided else torch.randn_like(x)
+    taken = []
+    real = launch.launch_gemv_quantized
+    monkeypatch.setattr("fusepass.ops.dynamic.launch_gemv_quantized", lambda *a: taken.append(1) or real(*a))
+    q, s = quantize_rows(torch.nn.functional.silu(gate) * x, I8, 127.5, SCALE_EPS)
+    want = fusepass.scaled_mm(q, b, s, sb, BF16, bias)
+    out = scaled_mm_dynamic(x, b, sb, BF16, bias, 127.5, SCALE_EPS, gate)
+    assert taken == ([] if strided else [1])
+    if strided:
+        assert torch.equal(out, want)
+    else:  # (a step at few elements, as the kernel test, and each output's bf16 rounding)
+        steps = s.flatten() * sb.abs() * b.abs().float().max(0).values * 2
+        assert ((out.float() - want.float()).abs().flatten() <= steps + 2**-7 * want.float().abs().flatten()).all()
+
+
 def test_opcheck():
     x, b, sb, bias = _problem(48, 160, I8, device="cpu")
-    for args in ((x, b, sb, BF16, bias, 127.5, SCALE_EPS), (x.repeat(3, 1), b, sb.view(1, -1), torch.float32, None, 127.0, 0.0)):
+    for args in ((x, b, sb, BF16, bias, 127.5, SCALE_EPS), (x.repeat(3, 1), b, sb.view(1, -1), torch.float32, None, 127.0, 0.0),
+                 (x, b, sb, BF16, bias, 127.5, SCALE_EPS, torch.randn_like(x))):
         torch.library.opcheck(torch.ops.fusepass.scaled_mm_dynamic.default, args)
 
 
@@ -117,10 +175,13 @@ def test_opcheck():
     (dict(floor=-1.0), ValueError, "`floor` >= 0; got 127.5, -1.0"),
     (dict(divisor=True), ValueError, "`divisor` must be > 0 and `floor` >= 0; got True"),
     (dict(out_dtype=torch.int8), TypeError, "`out_dtype` must be one of bfloat16, float16, float32"),
+    (dict(gate=torch.zeros(1, 160, dtype=I8)), TypeError, "`gate` must have dtype bfloat16, float16, float32"),
+    (dict(gate=torch.zeros(1, 160)), ValueError, "`gate` must have `x`'s dtype and shape; got gate shape (1, 160), dtype torch.float32"),
+    (dict(gate=torch.zeros(2, 160, dtype=BF16)), ValueError, "`gate` must have `x`'s dtype and shape"),
 ])
 def test_bad_inputs_are_refused_by_name(change, error, message):
     x, b, sb, bias = _problem(48, 160, I8, device="cpu")
-    args = dict(x=x, b=b, sb=sb, out_dtype=BF16, bias=bias, divisor=127.5, floor=SCALE_EPS) | change
+    args = dict(x=x, b=b, sb=sb, out_dtype=BF16, bias=bias, divisor=127.5, floor=SCALE_EPS, gate=None) | change
     with pytest.raises(error, match=None) as e:
         scaled_mm_dynamic(*args.values())
     assert message in str(e.value), str(e.value)

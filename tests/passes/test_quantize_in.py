@@ -2,6 +2,8 @@
 outside CUDA graphs): at M = 1 an int8 activation from attention quantized inside its matmul's
 launch (``fusepass.scaled_mm_dynamic``); other activations, other M, rows used twice, fp8: not."""
 
+import re
+
 import expecttest
 import torch
 
@@ -107,3 +109,75 @@ class TestQuantizeIn(expecttest.TestCase):
         r = run_pass(lambda *a: _attention_then_linear(*a, dtype=torch.float8_e4m3fn, divisor=448.0), *args, config=ON)
         self.assertNotIn(NAME, r.counts)
         self.assertIn("fusepass.scaled_mm(", r.after)
+
+
+def _gated_mlp(g, u, w, sw, act=F.silu, swap=False, twice=False, rows=None):
+    """A gated MLP's down projection as a prepared model traces it: ``act(gate) * up``, as
+    rows, quantized per token, then a dequantized product."""
+    h = u * act(g) if swap else act(g) * u  # (B, S, K)
+    x = h.reshape(-1, h.shape[-1])
+    qx, s = quantize_rows(x, torch.int8, 127.5, EPS)
+    y = ((qx.float() * s) @ (w.float() * sw).t()).to(torch.bfloat16)
+    return (y, h) if twice else y
+
+
+def _gated_inputs(dtype=torch.bfloat16, seq=1, seed=0, K=160):
+    g = torch.Generator().manual_seed(seed)
+    gate, up = ((torch.randn(1, seq, K, generator=g) * 3).to(dtype) for _ in range(2))
+    w = torch.randint(-127, 128, (N, K), generator=g).to(torch.int8)
+    return gate, up, w, torch.rand(N, 1, generator=g) * 0.01
+
+
+def _gated_reference(g, u, w, sw):
+    x = (F.silu(g) * u).reshape(-1, g.shape[-1])
+    qx, s = quantize_rows(x, torch.int8, 127.5, EPS)
+    return (qx.double() * s.double()) @ (w.double() * sw.double()).t()
+
+
+class TestGatedRow(expecttest.TestCase):
+    def test_silu_mul_at_one_row_is_gated_and_quantized_in_the_matmul(self):
+        for dtype, swap in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
+                            (torch.float32, False)):
+            with self.subTest(dtype=str(dtype), swap=swap):
+                args = _gated_inputs(dtype)
+                fn = lambda *a: _gated_mlp(*a, swap=swap)  # noqa: E731
+                r = run_pass(fn, *args, config=ON)
+                self.assertEqual(r.counts, {"dequant_mm": 1, NAME: 1})
+                calls = [line for line in r.after.splitlines() if "fusepass." in line]
+                self.assertEqual(len(calls), 1)
+                # (up as x, gate last; each reshaped to the quantized rows' [1, K])
+                self.assertRegex(calls[0], r"= fusepass\.scaled_mm_dynamic\((\w+), \w+, \w+, bf16, None, 127\.5, "
+                                           r"1\.1920928955078125e-07, (\w+)\)")
+                self.assertNotIn("exp", r.after)
+                self.assertNotIn("amax", r.after)
+                assert_policy(r.out, fn(*args), _gated_reference(*args))
+                # CPU: the op computes the gated row with eager's ops: the unfused graph's numbers
+                self.assertTrue(torch.equal(r.out, fn(*args)))
+
+    def test_the_gate_and_up_rows_in_their_op_order(self):
+        g, u, w, sw = _gated_inputs()
+        r = run_pass(_gated_mlp, g, u, w, sw, config=ON)
+        x, gate = (re.search(r"scaled_mm_dynamic\((\w+), .*, (\w+)\)$", r.after, re.M).groups())
+        self.assertIn(f"{x}: bf16[1, 160] = aten.reshape(u, [1, 160])", r.after)
+        self.assertIn(f"{gate}: bf16[1, 160] = aten.reshape(g, [1, 160])", r.after)
+
+    def test_by_default_only_outside_cuda_graphs(self):
+        args = _gated_inputs()
+        self.assertEqual(run_pass(_gated_mlp, *args).counts, {"dequant_mm": 1, NAME: 1})
+        with torch._inductor.config.patch({"triton.cudagraphs": True}):
+            self.assertEqual(run_pass(_gated_mlp, *args).counts, {"dequant_mm": 1})
+
+    def test_rows_the_gate_or_the_product_used_elsewhere_stay(self):
+        """Two rows; the product also returned (its kernel runs anyway); another activation
+        (GELU); a product with no activation."""
+        cases = {
+            "two rows": (lambda *a: _gated_mlp(*a), _gated_inputs(seq=2)),
+            "product used twice": (lambda *a: _gated_mlp(*a, twice=True), _gated_inputs()),
+            "gelu": (lambda *a: _gated_mlp(*a, act=F.gelu), _gated_inputs()),
+            "no activation": (lambda *a: _gated_mlp(*a, act=lambda t: t), _gated_inputs()),
+        }
+        for name, (fn, args) in cases.items():
+            with self.subTest(name):
+                r = run_pass(fn, *args, config=ON)
+                self.assertEqual(r.counts, {"dequant_mm": 1})
+                self.assertIn("fusepass.scaled_mm(", r.after)
