@@ -151,10 +151,14 @@ def quantized_row_bound(x, s, b, scale_b, ref, bias=None) -> torch.Tensor:
     is the IEEE division ``amax / divisor``; eager CUDA multiplies by the reciprocal, an fp32
     rounding apart (measured on an H200: 1 ulp above in 9 rows of 27), so a value whose
     ``x / s`` sits at a rounding tie (a .5: 13 of K = 5000 in one row) may round the other
-    way: one step of that element's weight per column, and the scale's rounding on the sum."""
+    way: one step (int8: 1; ``b`` e4m3: the grid's step at that value) of that element's weight
+    per column, and the scale's rounding on the sum."""
     v = (x.float() / s).abs().flatten()
-    tie = ((v - v.floor()) - 0.5).abs() < 1e-4  # (K,)
-    steps = (b.abs().float() * tie[:, None]).sum(0)  # (N,)
+    step = torch.ones_like(v) if b.dtype == torch.int8 else \
+        torch.exp2(torch.floor(torch.log2(v.clamp(min=2.0**-6))) - 3)  # (e4m3: 3 mantissa bits)
+    w = v / step
+    tie = ((w - w.floor()) - 0.5).abs() < 1e-4  # (K,)
+    steps = (b.abs().float() * (tie * step)[:, None]).sum(0)  # (N,)
     rounding = 1e-6 * (ref.float().abs().flatten() + (0 if bias is None else bias.float().abs().flatten()))
     return s.flatten() * scale_b.float().abs().flatten() * steps + rounding
 

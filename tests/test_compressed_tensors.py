@@ -99,8 +99,8 @@ def test_every_quantized_linear_fuses(checkpoints, scheme, step, batch, device):
     assert len(decisions) == ct.QUANTIZED_LINEARS and all(d.fused for d in decisions), decisions
     found = dict(counters["fusepass"])
     joined = found.pop(JOINED, 0)
-    # (outside CUDA graphs, each o_proj's and down_proj's symmetric int8 row quantized in its M = 1 launch)
-    in_gemv = 2 * ct.SIZES["num_hidden_layers"] if (scheme, step, batch) == ("W8A8", "decode", 1) else 0
+    # (outside CUDA graphs, each o_proj's and down_proj's symmetric int8 or fp8 row quantized in its M = 1 launch)
+    in_gemv = 2 * ct.SIZES["num_hidden_layers"] if scheme in ("W8A8", "FP8_DYNAMIC") and (step, batch) == ("decode", 1) else 0
     assert found.pop(QUANTIZED_IN, 0) == in_gemv, found
     assert set(found) <= PATTERNS[KIND[scheme]] and sum(found.values()) == ct.QUANTIZED_LINEARS, found
     assert joined == 2 * ct.SIZES["num_hidden_layers"], (joined, found)  # (q/k/v and gate/up)

@@ -67,10 +67,12 @@ def _row_block(
 def row_scale(
     a_ptr, g_ptr, K, stride_ak,
     DIVISOR: tl.constexpr, FLOOR: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+    FP8: tl.constexpr,
 ):
-    """The int8 per-token scale of the float row (``_row_block``'s), ``max(amax / divisor, floor)``
-    (``DIVISOR``, ``FLOOR``) in fp32 with a correctly rounded division (``ops.dynamic.quantize_rows``'s recipe); NaN
-    where the row holds one, as torch's ``amax`` gives (a GPU's max drops NaN)."""
+    """The per-token scale of the float row (``_row_block``'s) in fp32 with a correctly rounded
+    division (``ops.dynamic.quantize_rows``'s recipes, ``DIVISOR`` and ``FLOOR``): int8
+    ``max(amax / divisor, floor)``, FP8 ``max(amax, floor) / divisor``; NaN where the row holds
+    one, as torch's ``amax`` gives (a GPU's max drops NaN)."""
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     nans = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
@@ -78,16 +80,32 @@ def row_scale(
         xf = _row_block(a_ptr, g_ptr, offs_k, K, stride_ak, EVEN_K, GATED).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(xf))
         nans += (xf != xf).to(tl.int32)
-    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), DIVISOR), FLOOR)
+    if FP8:
+        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), FLOOR), DIVISOR)
+    else:
+        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), DIVISOR), FLOOR)
     return tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
 
 
 @triton.jit
-def _quantized(x, x_scale):
-    """A block of the float row as int8 values (held in fp32): ``x / x_scale`` correctly
-    rounded, clamped, then rounded half to even by the 1.5 * 2**23 shift (exact for |v| <= 128).
-    (int8 only: an fp8 row's e4m3 values were once not equal to torch's on a GPU, not examined
-    since: ``ops/dynamic.py``.)"""
+def _e4m3(v):
+    """The fp32 ``v`` (|v| <= 448) rounded to nearest even on e4m3's grid, held in fp32 (exact
+    there, so casting it is exact): 3 mantissa bits by its bits above 2**-6, steps of 2**-9
+    below (subnormals), by the 1.5 * 2**23 shift. By hand: Triton's interpreter rounds an
+    fp32 -> e4m3 cast wrongly where it carries into the exponent (126.44 -> 64, Triton 3.9)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
+    subnormal = ((v * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
+    return tl.where(v != v, v, tl.where(tl.abs(v) < 0.015625, subnormal, normal))
+
+
+@triton.jit
+def _quantized(x, x_scale, FP8: tl.constexpr):
+    """A block of the float row as int8 or (FP8) e4m3 values, held in fp32: ``x / x_scale``
+    correctly rounded, clamped, then rounded to nearest even (int8: by the 1.5 * 2**23 shift,
+    exact for |v| <= 128; e4m3: ``_e4m3``)."""
+    if FP8:
+        return _e4m3(tl.clamp(tl.div_rn(x.to(tl.float32), x_scale), -448.0, 448.0))
     v = tl.clamp(tl.div_rn(x.to(tl.float32), x_scale), -128.0, 127.0)
     return (v + 12582912.0) - 12582912.0
 
@@ -100,7 +118,7 @@ def gemv_rows(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
     x_scale,  # QUANT: the float row's scale (row_scale); else unused
-    QUANT: tl.constexpr,  # a is a float row, quantized to int8 here (else b's dtype)
+    QUANT: tl.constexpr,  # a is a float row, quantized here to b's dtype (else of b's dtype)
     g_ptr, GATED: tl.constexpr,  # QUANT: the row is silu(g) * a (_row_block); else None, False
 ):
     """The main loop: (acc (BLOCK_N,) of a @ b's columns, their indices cols (BLOCK_N,),
@@ -122,7 +140,7 @@ def gemv_rows(
             w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
         x = _row_block(a_ptr, g_ptr, offs_k, K, stride_ak, EVEN_K, GATED)
         if QUANT:
-            x = _quantized(x, x_scale)
+            x = _quantized(x, x_scale, b_ptr.dtype.element_ty != tl.int8)
         acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
     return acc, cols, offs_n
 
@@ -143,7 +161,7 @@ def scaled_gemv_kernel(
     # Tiling
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
-    QUANT: tl.constexpr = False,  # a is a float row, quantized per token to int8 here
+    QUANT: tl.constexpr = False,  # a is a float row, quantized per token to b's dtype here
     # QUANT's recipe (row_scale); constexprs, so the other launches take no argument more
     # (the recipe's two values per model compile once)
     DIVISOR: tl.constexpr = 1.0, FLOOR: tl.constexpr = 0.0,
@@ -151,7 +169,8 @@ def scaled_gemv_kernel(
 ):
     x_scale = 1.0
     if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
-        x_scale = row_scale(a_ptr, g_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED)
+        x_scale = row_scale(a_ptr, g_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED,
+                            b_ptr.dtype.element_ty != tl.int8)
     acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
                                   BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT, g_ptr, GATED)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.

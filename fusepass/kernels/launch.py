@@ -406,10 +406,10 @@ def cond_choice(pred, if_true, if_false, operands: tuple, symbols: tuple):
 
 
 def gemv_quantizes(x: torch.Tensor, b: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
-    """Where ``launch_gemv_quantized`` runs: an int8 ``b`` on the M = 1 kernel's rows, which
-    fill the GPU; a ``gate`` of ``x``'s dtype, shape and strides (the kernel reads both rows with
-    one stride)."""
-    return (b.dtype == torch.int8 and gemv_allowed(x, b) and gemv_fills(int(b.shape[1]), x.device)
+    """Where ``launch_gemv_quantized`` runs: an int8 or e4m3 ``b`` on the M = 1 kernel's rows,
+    which fill the GPU; a ``gate`` of ``x``'s dtype, shape and strides (the kernel reads both rows
+    with one stride)."""
+    return (b.dtype in (torch.int8, torch.float8_e4m3fn) and gemv_allowed(x, b) and gemv_fills(int(b.shape[1]), x.device)
             and (gate is None or (gate.dtype == x.dtype and gate.shape == x.shape
                                   and statically_known_true(gate.stride(1) == x.stride(1)))))
 
@@ -418,7 +418,7 @@ def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tenso
                           bias: torch.Tensor | None, divisor: float, floor: float,
                           gate: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (1, K), a float row (or, given ``gate``, ``silu(gate) * x``: ``gemv.py``'s GATED),
-    quantized per token to int8 inside the M = 1 kernel (``gemv.py``'s QUANT), times the int8
+    quantized per token to ``b``'s dtype inside the M = 1 kernel (``gemv.py``'s QUANT), times
     ``b`` with scaled_mm's epilogue: one launch where a quantization kernel and
     ``launch_scaled_mm`` take two. Validated inputs where ``gemv_quantizes``; eager,
     interpreted and traced alike."""

@@ -20,24 +20,27 @@ Arguments: ``x`` [M, K] bfloat16, float16 or float32; ``b``, ``scale_b``, ``out_
 ``x`` is then its up projection, and the row quantized the SiLU-mul of the two).
 Returns a new contiguous [M, N] tensor of ``out_dtype``.
 
-Why an op of its own: at M = 1 (decode at batch 1) on CUDA, with an int8 ``b = w.t()``, the
-M = 1 kernel quantizes the row itself (``kernels/gemv.py``, QUANT: each program reads the row's
-amax, then its blocks, from L2), so no quantization kernel runs before it: one launch a call
-fewer. With a ``gate`` of ``x``'s strides it also computes the SiLU-mul (GATED: ``g / (1 +
+Why an op of its own: at M = 1 (decode at batch 1) on CUDA, with an int8 or e4m3 ``b = w.t()``,
+the M = 1 kernel quantizes the row itself (``kernels/gemv.py``, QUANT: each program reads the
+row's amax, then its blocks, from L2), so no quantization kernel runs before it: one launch a
+call fewer. With a ``gate`` of ``x``'s strides it also computes the SiLU-mul (GATED: ``g / (1 +
 exp(-g))`` in fp32, as Inductor's decomposition, each op rounded to ``x``'s dtype), so no
-SiLU-mul kernel runs either; its ``exp`` may differ from eager's by an fp32 rounding, so a value
-can round to a neighbour of eager's in ``x``'s dtype. Its divisions are IEEE fp32 divisions; eager CUDA multiplies by the divisor's
-reciprocal and Inductor's ``x / s`` may be approximate, so its scale and values can differ
-from those by an fp32 rounding (within the numerics policy; the same in Triton's interpreter
-against the CPU's). A row holding a NaN gives a NaN scale, as torch's ``amax`` does. (Not for
-fp8: on an H200 its e4m3 values were once not equal to torch's for a row, an exact check made
-before the int8 differences were traced to ties under the scale's rounding (``benchmarks/
-NOTES.md`` run 26, step 3); not examined since, so fp8 keeps its quantization kernel.)
-Elsewhere (other M, other layouts, fp8, the CPU) it quantizes with the ATen ops above and runs
-``scaled_mm``; traced, Inductor fuses that quantization into its own kernels as before.
-The pass makes these calls where the launches run outside CUDA graphs (or where
-``PassConfig.quantize_in_gemv`` says so), and only where the activation comes from an op
-Inductor cannot fuse the quantization into (``passes/quantize_in.py``).
+SiLU-mul kernel runs either.
+
+Its numbers: its divisions are IEEE fp32 divisions and its roundings to the nearest even
+(int8 steps, e4m3's grid, bf16); eager CUDA divides by a Python float as a multiply by its
+reciprocal and Inductor's ``x / s`` may be approximate, so its scale can be an fp32 rounding
+apart from theirs, and a value at a rounding tie can then land on the neighbouring step
+(``benchmarks/NOTES.md`` run 26, step 3); Triton's ``exp`` is not CUDA's, so a gated value can
+round to a neighbour of eager's in ``x``'s dtype. All within the numerics policy; in Triton's
+interpreter its values equal the CPU's. A row holding a NaN gives a NaN scale, as torch's
+``amax`` does.
+
+Elsewhere (other M, other layouts, the CPU) it computes the row with the ATen ops above and
+runs ``scaled_mm``; traced, Inductor fuses that into its own kernels as before. The pass makes
+these calls where the launches run outside CUDA graphs (or where
+``PassConfig.quantize_in_gemv`` says so), and only where they save a kernel
+(``passes/quantize_in.py``).
 """
 
 from __future__ import annotations

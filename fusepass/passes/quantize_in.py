@@ -1,11 +1,13 @@
 """Quantize a decode activation inside the M = 1 kernel where it saves a launch. By default
 where the launches run outside CUDA graphs (``PassConfig.quantize_in_gemv``; the numbers there).
 
-Matches: an int8 ``fusepass.scaled_mm`` call at a static M = 1, ``b`` stored as ``w.t()``,
-whose ``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and used by
-nothing else, in the ATen form ``ops.dynamic.quantize_rows`` traces (a ``fusepass.prepare``d
-linear traces the same): ``clamp_max(clamp_min(round(xf / s), -128), 127).to(int8)`` with
-``s = clamp_min(amax(abs(xf), -1) / D, F)`` (``xf`` is ``x`` cast to fp32, or ``x``), where either
+Matches: an int8 or fp8 ``fusepass.scaled_mm`` call at a static M = 1, ``b`` stored as
+``w.t()``, whose ``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and
+used by nothing else, in the ATen forms ``ops.dynamic.quantize_rows`` traces (a
+``fusepass.prepare``d linear traces the same): int8 ``clamp_max(clamp_min(round(xf / s), -128),
+127).to(int8)`` with ``s = clamp_min(amax(abs(xf), -1) / D, F)``, fp8 ``clamp_max(clamp_min(xf /
+s, -448), 448).to(float8_e4m3fn)`` with ``s = clamp_min(amax(abs(xf), -1), F) / D`` (``xf`` is
+``x`` cast to fp32, or ``x``), where either
 
 - ``x`` comes through views from an output of a multi-output op (a ``getitem``: attention),
   which runs as a kernel of its own that Inductor cannot fuse the quantization into; or
@@ -16,11 +18,10 @@ linear traces the same): ``clamp_max(clamp_min(round(xf / s), -128), 127).to(int
 
 Becomes: ``fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, D, F)``, or for the
 gated row ``fusepass.scaled_mm_dynamic(u, b, scale_b, out_dtype, bias, D, F, g)``; on CUDA the
-M = 1 kernel quantizes (and gates) the row itself (``kernels/gemv.py``). fp8 rows are left to
-their quantization kernel (``ops/dynamic.py`` says why). A Llama layer's o_proj and down_proj:
-o_proj's quantization is the one of a decode layer that Inductor launches on its own (q/k/v's
-and gate/up's fuse into the RMSNorm kernel); down_proj's is fused with the SiLU-mul into a
-kernel that the gated row makes unnecessary. Why: a default-mode decode step is bound by its
+M = 1 kernel quantizes (and gates) the row itself (``kernels/gemv.py``). A Llama layer's
+o_proj and down_proj: o_proj's quantization is the one of a decode layer that Inductor launches
+on its own (q/k/v's and gate/up's fuse into the RMSNorm kernel); down_proj's is fused with the
+SiLU-mul into a kernel that the gated row makes unnecessary. Why: a default-mode decode step is bound by its
 launches (``benchmarks/NOTES.md`` run 25, step 4); each is one of a layer's 17. Inside CUDA
 graphs a launch costs nothing and each program reads the row twice more, so there it is a
 little slower (run 26).
@@ -49,42 +50,52 @@ def _one_arg(node, target, *consts):
     return None
 
 
-def _amax_of(node):
-    """``xf`` where ``node`` is ``amax(abs(xf), [-1], True)``, else None."""
+def _abs_of(node):
+    """The ``abs(xf)`` node where ``node`` is ``amax(abs(xf), [-1], True)``, else None."""
     if not is_call(node, aten.amax.default) or list(node.args[1:]) not in ([[-1], True], [[1], True]):
         return None
-    return node.args[0].args[0] if is_call(node.args[0], aten.abs.default) else None
+    return node.args[0] if is_call(node.args[0], aten.abs.default) else None
 
 
-def _scale(s):
-    """(xf, D, F) where ``s`` is ``clamp_min(amax(abs(xf)) / D, F)`` with D > 0 and F >= 0 (what
-    the op takes), else None."""
-    if not (is_call(s, aten.clamp_min.default) and isinstance(s.args[1], float) and s.args[1] >= 0):
+def _scale(s, fp8: bool):
+    """(abs(xf), D, F) where ``s`` is int8's ``clamp_min(amax(abs(xf)) / D, F)`` or (``fp8``)
+    ``clamp_min(amax(abs(xf)), F) / D``, with D > 0 and F >= 0 (what the op takes), else None."""
+    outer, inner = (aten.div.Tensor, aten.clamp_min.default) if fp8 else (aten.clamp_min.default, aten.div.Tensor)
+    if not (is_call(s, outer) and is_call(s.args[0], inner)):
         return None
-    div = s.args[0]
-    if not (is_call(div, aten.div.Tensor) and isinstance(div.args[1], float) and div.args[1] > 0):
+    div, clamp = (s, s.args[0]) if fp8 else (s.args[0], s)
+    divisor, floor = div.args[1], clamp.args[1]
+    if not (isinstance(divisor, float) and divisor > 0 and isinstance(floor, float) and floor >= 0):
         return None
-    xf = _amax_of(div.args[0])
-    return None if xf is None else (xf, div.args[1], s.args[1])
+    abs_ = _abs_of(s.args[0].args[0])
+    return None if abs_ is None else (abs_, divisor, floor)
+
+
+# The quantized row's last steps by dtype: q = clamp_max(clamp_min(v, lo), hi) with v = xf / s
+# (int8: round(xf / s)), then cast.
+_CLAMPS = {torch.int8: (-128, 127), torch.float8_e4m3fn: (-448.0, 448.0)}
 
 
 def _quantization(a):
     """(x, s, D, F, nodes: those that read ``x``) where ``a`` is the quantized row (module
     docstring), else None."""
-    if cast_dtype(a) != torch.int8:
+    dtype = cast_dtype(a)
+    if dtype not in _CLAMPS:
         return None
-    v = _one_arg(_one_arg(_one_arg(a.args[0], aten.clamp_max.default, 127), aten.clamp_min.default, -128),
-                 aten.round.default)
+    lo, hi = _CLAMPS[dtype]
+    v = _one_arg(_one_arg(a.args[0], aten.clamp_max.default, hi), aten.clamp_min.default, lo)
+    if dtype == torch.int8:
+        v = _one_arg(v, aten.round.default)
     if not is_call(v, aten.div.Tensor) or not isinstance(v.args[1], fx.Node):
         return None
-    found = _scale(v.args[1])
-    if found is None or found[0] is not v.args[0]:
+    found = _scale(v.args[1], dtype != torch.int8)
+    if found is None or found[0].args[0] is not v.args[0]:
         return None
-    xf, divisor, floor = found
+    abs_, divisor, floor = found
+    xf = abs_.args[0]
     x = xf.args[0] if cast_dtype(xf) == torch.float32 else xf
     if tensor_val(x).dtype not in (torch.bfloat16, torch.float16, torch.float32) or tensor_val(xf).dtype != torch.float32:
         return None
-    abs_ = v.args[1].args[0].args[0].args[0]  # (s = clamp_min(amax(abs(xf)) / D, F))
     return x, v.args[1], divisor, floor, {xf} if xf is not x else {v, abs_}
 
 

@@ -38,7 +38,7 @@ def test_the_quantization_is_a_prepared_modules(kind, dtype):
 def _then_the_kernel(x, q, s, b, sb, bias):
     """(the quantizing kernel's output, the M = 1 kernel's on ``q`` and ``s``), fp32 out."""
     cfg = gemv_config(b.shape[1], b.shape[0], configs.sm_count(x.device))
-    return (launch.launch_gemv_quantized(x, b, sb, torch.float32, bias, 127.5, SCALE_EPS),
+    return (launch.launch_gemv_quantized(x, b, sb, torch.float32, bias, DIVISOR[b.dtype], SCALE_EPS),
             launch.launch_scaled_mm(q, b, s, sb, torch.float32, bias, config=cfg))
 
 
@@ -53,13 +53,28 @@ def test_the_m1_kernel_rounds_half_to_even_and_clamps_as_torch():
     assert torch.equal(out, ref)
 
 
+def test_the_m1_kernel_rounds_to_e4m3_as_torch():
+    """fp8: a row whose scale is exactly 1 (amax 448): midpoints of e4m3's grid both ways
+    (normal, subnormal, into the next binade), the smallest normal, -0.0."""
+    values = [448.0, -448.0, 1.0625, 1.1875, -1.1875, 248.0, 2.0**-10, 3 * 2.0**-10, 15 * 2.0**-10, 2.0**-6,
+              126.4448, -0.0, 0.3]
+    x = torch.tensor(values + [0.0] * 20, dtype=torch.float32, device=DEVICE)[None]  # K = 33
+    _, b, sb, bias = _problem(40, 33, F8)
+    q, s = quantize_rows(x, F8, 448.0, SCALE_EPS)
+    assert s.item() == 1.0 and q.float().flatten()[:11].tolist() == [448.0, -448.0, 1.0, 1.25, -1.25, 256.0, 0.0,
+                                                                        2.0**-8, 2.0**-6, 2.0**-6, 128.0]
+    out, ref = _then_the_kernel(x, q, s, b, sb, bias)
+    assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("N,K", [(17, 33), (100, 1000), (64, 2048), (24, 4096 + 512)])
 @pytest.mark.parametrize("x_dtype,scale", [(BF16, 3.0), (torch.float32, 3.0), (BF16, 1e-9)])
-def test_the_m1_kernel_quantizing_its_row_is_the_quantization_then_the_kernel(N, K, x_dtype, scale):
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+def test_the_m1_kernel_quantizing_its_row_is_the_quantization_then_the_kernel(N, K, x_dtype, scale, dtype):
     """Its scale's division is IEEE fp32's, the reference's the device's own: a value may land
     one step apart where ``x / s`` sits at a tie of the two roundings (policy: a step's share)."""
-    x, b, sb, bias = _problem(N, K, I8, x_dtype, scale)
-    q, s = quantize_rows(x, I8, 127.5, SCALE_EPS)
+    x, b, sb, bias = _problem(N, K, dtype, x_dtype, scale)
+    q, s = quantize_rows(x, dtype, DIVISOR[dtype], SCALE_EPS)
     out, ref = _then_the_kernel(x, q, s, b, sb, bias)
     assert ((out - ref).abs().flatten() <= quantized_row_bound(x, s, b, sb, ref, bias)).all()
 
@@ -71,24 +86,28 @@ def _gated_row(K, x_dtype, seed=0):
 
 @pytest.mark.parametrize("K", [33, 1000, 4096 + 512])
 @pytest.mark.parametrize("x_dtype", [BF16, torch.float16, torch.float32])
-def test_the_m1_kernel_gates_its_row_as_eager_rounds(K, x_dtype):
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+def test_the_m1_kernel_gates_its_row_as_eager_rounds(K, x_dtype, dtype):
     """GATED: the row ``silu(gate) * up``, each op rounded to the row's dtype, then quantized:
     read back through an identity weight (out = scale * q), as eager's ``F.silu(gate) * up``
     quantized. In the interpreter exactly; on a GPU Triton's ``exp`` is not CUDA's, so a value
     may round to a neighbour in the row's dtype: at most one step, at few elements."""
     gate, up = _gated_row(K, x_dtype)
-    eye = torch.eye(K, dtype=I8, device=DEVICE)  # (b = w.t() of w = I: columns contiguous along K)
-    out = launch.launch_gemv_quantized(up, eye.t(), torch.ones(K, device=DEVICE), torch.float32, None, 127.5,
-                                       SCALE_EPS, gate=gate)
-    q, s = quantize_rows(torch.nn.functional.silu(gate) * up, I8, 127.5, SCALE_EPS)
+    eye = torch.eye(K, device=DEVICE).to(dtype)  # (b = w.t() of w = I: columns contiguous along K)
+    out = launch.launch_gemv_quantized(up, eye.t(), torch.ones(K, device=DEVICE), torch.float32, None,
+                                       DIVISOR[dtype], SCALE_EPS, gate=gate)
+    q, s = quantize_rows(torch.nn.functional.silu(gate) * up, dtype, DIVISOR[dtype], SCALE_EPS)
     ref = (q.float() * s).flatten()
     if DEVICE == "cpu":
         assert torch.equal(out.flatten(), ref)
-        unrounded = gate.float() / (1 + torch.exp(-gate.float())) * up.float()  # (no rounding between the ops)
-        assert K < 100 or x_dtype == torch.float32 or not torch.equal(quantize_rows(unrounded, I8, 127.5, SCALE_EPS)[0], q)
-    else:
+        # (int8's finer steps tell the roundings between the ops apart at these rows)
+        unrounded = gate.float() / (1 + torch.exp(-gate.float())) * up.float()
+        assert K < 100 or x_dtype == torch.float32 or dtype == F8 or \
+            not torch.equal(quantize_rows(unrounded, dtype, DIVISOR[dtype], SCALE_EPS)[0], q)
+    else:  # (a step: int8's, or e4m3's at that value, 1/8 of it at most)
         apart = (out.flatten() - ref).abs()
-        assert (apart <= 1.01 * s.flatten()).all() and int((apart > 0).sum()) <= max(2, K // 100)
+        step = s.flatten() if dtype == I8 else ref.abs() / 8 + s.flatten() * 2.0**-9
+        assert (apart <= 1.01 * step).all() and int((apart > 0).sum()) <= max(2, K // 100)
 
 
 def test_a_nan_in_the_row_gives_nan():
@@ -112,7 +131,7 @@ def test_the_op_is_the_quantization_then_scaled_mm():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
-def test_the_op_takes_the_quantizing_kernel_at_one_row_on_cuda_for_int8(monkeypatch, dtype):
+def test_the_op_takes_the_quantizing_kernel_at_one_row_on_cuda(monkeypatch, dtype):
     x, b, sb, bias = _problem(4096, 4096, dtype)
     taken = []
     real = launch.launch_gemv_quantized
@@ -120,12 +139,10 @@ def test_the_op_takes_the_quantizing_kernel_at_one_row_on_cuda_for_int8(monkeypa
     q, s = quantize_rows(x, dtype, DIVISOR[dtype], SCALE_EPS)
     out = scaled_mm_dynamic(x, b, sb, BF16, bias, DIVISOR[dtype], SCALE_EPS)
     want = fusepass.scaled_mm(q, b, s, sb, BF16, bias)
-    assert taken == ([1] if dtype == I8 else [])
-    if dtype == F8:  # (the quantization kernel, then scaled_mm)
-        assert torch.equal(out, want)
-    else:  # (and each output rounded to bf16: up to a bf16 rounding each)
-        bound = quantized_row_bound(x, s, b, sb, want, bias) + 2**-7 * want.float().abs().flatten()
-        assert ((out.float() - want.float()).abs().flatten() <= bound).all()
+    assert taken == [1]
+    # (and each output rounded to bf16: up to a bf16 rounding each)
+    bound = quantized_row_bound(x, s, b, sb, want, bias) + 2**-7 * want.float().abs().flatten()
+    assert ((out.float() - want.float()).abs().flatten() <= bound).all()
 
 
 def test_the_op_with_a_gate_is_silu_mul_then_the_quantization():

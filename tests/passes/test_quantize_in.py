@@ -1,6 +1,7 @@
 """passes/quantize_in.py (``PassConfig.quantize_in_gemv``; by default where the launches run
-outside CUDA graphs): at M = 1 an int8 activation from attention quantized inside its matmul's
-launch (``fusepass.scaled_mm_dynamic``); other activations, other M, rows used twice, fp8: not."""
+outside CUDA graphs): at M = 1 an int8 or fp8 activation from attention, or a gated MLP's
+SiLU-mul, quantized inside its matmul's launch (``fusepass.scaled_mm_dynamic``); other
+activations, other M, rows used twice, other recipes: not."""
 
 import re
 
@@ -14,6 +15,7 @@ from tests.passes.harness import assert_policy, run_pass
 
 F = torch.nn.functional
 EPS = torch.finfo(torch.float32).eps
+F8 = torch.float8_e4m3fn
 ON = PassConfig(quantize_in_gemv=True)
 H, D, N = 4, 32, 96  # heads, head size (K = 128), the weight's rows
 
@@ -104,50 +106,72 @@ class TestQuantizeIn(expecttest.TestCase):
                 r = run_pass(f, q, k, v, w, sw, config=ON)
                 self.assertNotIn(NAME, r.counts)
 
-    def test_an_fp8_row_keeps_its_quantization_kernel(self):
-        args = _inputs(dtype=torch.float8_e4m3fn)
-        r = run_pass(lambda *a: _attention_then_linear(*a, dtype=torch.float8_e4m3fn, divisor=448.0), *args, config=ON)
-        self.assertNotIn(NAME, r.counts)
-        self.assertIn("fusepass.scaled_mm(", r.after)
+    def test_an_fp8_row_is_quantized_in_the_matmul(self):
+        args = _inputs(dtype=F8)
+        fn = lambda *a: _attention_then_linear(*a, dtype=F8, divisor=448.0)  # noqa: E731
+        r = run_pass(fn, *args, config=ON)
+        self.assertEqual(r.counts, {"dequant_mm": 1, NAME: 1})
+        self.assertRegex(r.after, r"= fusepass\.scaled_mm_dynamic\(view, \w+, \w+, bf16, None, 448\.0, 1\.1920928955078125e-07\)")
+        assert_policy(r.out, fn(*args), _reference(*args, dtype=F8, divisor=448.0))
+
+    def test_another_fp8_recipe_stays(self):
+        """Clamped to e4m3fnuz's 240; the scale in int8's order (``clamp_min(amax / D, F)``)."""
+        def recipe(x, w, sw, bound=448.0, int8_order=False):
+            amax = x.float().abs().amax(-1, keepdim=True)
+            s = (amax / 448.0).clamp(min=EPS) if int8_order else amax.clamp(min=EPS) / 448.0
+            qx = (x.float() / s).clamp(-bound, bound).to(F8)
+            return ((qx.float() * s) @ (w.float() * sw).t()).to(torch.bfloat16)
+
+        q, k, v, w, sw = _inputs(dtype=F8)
+        for kw in (dict(bound=240.0), dict(int8_order=True)):
+            with self.subTest(**{k: str(v) for k, v in kw.items()}):
+                def f(q, k, v, w, sw, kw=kw):
+                    o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, H * D)
+                    return recipe(o, w, sw, **kw)
+                r = run_pass(f, q, k, v, w, sw, config=ON)
+                self.assertNotIn(NAME, r.counts)
 
 
-def _gated_mlp(g, u, w, sw, act=F.silu, swap=False, twice=False, rows=None):
+def _gated_mlp(g, u, w, sw, act=F.silu, swap=False, twice=False):
     """A gated MLP's down projection as a prepared model traces it: ``act(gate) * up``, as
-    rows, quantized per token, then a dequantized product."""
+    rows, quantized per token (to ``w``'s dtype), then a dequantized product."""
     h = u * act(g) if swap else act(g) * u  # (B, S, K)
     x = h.reshape(-1, h.shape[-1])
-    qx, s = quantize_rows(x, torch.int8, 127.5, EPS)
+    qx, s = quantize_rows(x, w.dtype, 127.5 if w.dtype == torch.int8 else 448.0, EPS)
     y = ((qx.float() * s) @ (w.float() * sw).t()).to(torch.bfloat16)
     return (y, h) if twice else y
 
 
-def _gated_inputs(dtype=torch.bfloat16, seq=1, seed=0, K=160):
+def _gated_inputs(dtype=torch.bfloat16, seq=1, seed=0, K=160, w_dtype=torch.int8):
     g = torch.Generator().manual_seed(seed)
     gate, up = ((torch.randn(1, seq, K, generator=g) * 3).to(dtype) for _ in range(2))
     w = torch.randint(-127, 128, (N, K), generator=g).to(torch.int8)
+    if w_dtype != torch.int8:
+        w = (w.float() * 3.5).to(w_dtype)
     return gate, up, w, torch.rand(N, 1, generator=g) * 0.01
 
 
 def _gated_reference(g, u, w, sw):
     x = (F.silu(g) * u).reshape(-1, g.shape[-1])
-    qx, s = quantize_rows(x, torch.int8, 127.5, EPS)
+    qx, s = quantize_rows(x, w.dtype, 127.5 if w.dtype == torch.int8 else 448.0, EPS)
     return (qx.double() * s.double()) @ (w.double() * sw.double()).t()
 
 
 class TestGatedRow(expecttest.TestCase):
     def test_silu_mul_at_one_row_is_gated_and_quantized_in_the_matmul(self):
-        for dtype, swap in ((torch.bfloat16, False), (torch.bfloat16, True), (torch.float16, False),
-                            (torch.float32, False)):
-            with self.subTest(dtype=str(dtype), swap=swap):
-                args = _gated_inputs(dtype)
+        for dtype, swap, w_dtype in ((torch.bfloat16, False, torch.int8), (torch.bfloat16, True, torch.int8),
+                                     (torch.float16, False, torch.int8), (torch.float32, False, torch.int8),
+                                     (torch.bfloat16, False, F8)):
+            with self.subTest(dtype=str(dtype), swap=swap, w=str(w_dtype)):
+                args = _gated_inputs(dtype, w_dtype=w_dtype)
                 fn = lambda *a: _gated_mlp(*a, swap=swap)  # noqa: E731
                 r = run_pass(fn, *args, config=ON)
                 self.assertEqual(r.counts, {"dequant_mm": 1, NAME: 1})
                 calls = [line for line in r.after.splitlines() if "fusepass." in line]
                 self.assertEqual(len(calls), 1)
                 # (up as x, gate last; each reshaped to the quantized rows' [1, K])
-                self.assertRegex(calls[0], r"= fusepass\.scaled_mm_dynamic\((\w+), \w+, \w+, bf16, None, 127\.5, "
-                                           r"1\.1920928955078125e-07, (\w+)\)")
+                self.assertRegex(calls[0], r"= fusepass\.scaled_mm_dynamic\((\w+), \w+, \w+, bf16, None, "
+                                           r"(127\.5|448\.0), 1\.1920928955078125e-07, (\w+)\)")
                 self.assertNotIn("exp", r.after)
                 self.assertNotIn("amax", r.after)
                 assert_policy(r.out, fn(*args), _gated_reference(*args))
