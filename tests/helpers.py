@@ -158,7 +158,7 @@ def quantized_row_bound(x, s, b, scale_b, ref, bias=None) -> torch.Tensor:
         torch.exp2(torch.floor(torch.log2(v.clamp(min=2.0**-6))) - 3)  # (e4m3: 3 mantissa bits)
     w = v / step
     tie = ((w - w.floor()) - 0.5).abs() < 1e-4  # (K,)
-    steps = (b.abs().float() * (tie * step)[:, None]).sum(0)  # (N,)
+    steps = (b.float().abs() * (tie * step)[:, None]).sum(0)  # (N,) (CUDA has no abs of e4m3)
     rounding = 1e-6 * (ref.float().abs().flatten() + (0 if bias is None else bias.float().abs().flatten()))
     return s.flatten() * scale_b.float().abs().flatten() * steps + rounding
 
