@@ -71,11 +71,13 @@ class PassConfig:
     # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
     # buffers) run as one matmul over their union (passes/join.py), at every M.
     join_siblings: bool = True
-    # At M = 1, an int8 activation from attention (a multi-output op) quantized inside the M = 1
-    # kernel, not by a kernel of its own before it (passes/quantize_in.py). None: where the
-    # launches run outside CUDA graphs (as decode_splits tells), where a step is bound by its
-    # launches; measured at 32 layers, b1 (H200, benchmarks/NOTES.md run 26): default mode
-    # 1.20x -> 1.28x bf16, CUDA graphs 1.46x -> 1.44x (each program reads the row twice more).
+    # At M = 1, an int8 or fp8 activation from attention (a multi-output op), or a gated MLP's
+    # SiLU-mul, computed and quantized inside the M = 1 kernel, not by a kernel of its own before
+    # it (passes/quantize_in.py). None: where the launches run outside CUDA graphs (as
+    # decode_splits tells), where a step is bound by its launches; measured at 32 layers, b1,
+    # default mode (H200, benchmarks/NOTES.md runs 26-27): int8 1.22x bf16 without it, 1.24x with
+    # o_proj's rows, 1.32x with down_proj's too; fp8 1.28x -> 1.35x. In CUDA graphs o_proj's
+    # alone went 1.46x -> 1.44x (each program reads the row twice more).
     quantize_in_gemv: bool | None = None
 
     def __post_init__(self):

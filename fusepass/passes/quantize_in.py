@@ -21,10 +21,12 @@ gated row ``fusepass.scaled_mm_dynamic(u, b, scale_b, out_dtype, bias, D, F, g)`
 M = 1 kernel quantizes (and gates) the row itself (``kernels/gemv.py``). A Llama layer's
 o_proj and down_proj: o_proj's quantization is the one of a decode layer that Inductor launches
 on its own (q/k/v's and gate/up's fuse into the RMSNorm kernel); down_proj's is fused with the
-SiLU-mul into a kernel that the gated row makes unnecessary. Why: a default-mode decode step is bound by its
-launches (``benchmarks/NOTES.md`` run 25, step 4); each is one of a layer's 17. Inside CUDA
-graphs a launch costs nothing and each program reads the row twice more, so there it is a
-little slower (run 26).
+SiLU-mul into a kernel that the gated row makes unnecessary. Why: a default-mode decode step is
+bound by its launches (``benchmarks/NOTES.md`` run 25, step 4), and these are two of a layer's
+17: at 32 layers, b1, one process (run 27) int8 went from 1.24x bf16 (o_proj's alone) to 1.32x,
+fp8 from 1.28x (neither) to 1.35x. Inside CUDA graphs a launch costs nothing and each program
+reads the row twice more: o_proj's there was a little slower (run 26; the gated row's not
+measured there), so the default leaves them to their kernels.
 """
 
 from __future__ import annotations
