@@ -104,10 +104,10 @@ def test_the_m1_kernel_gates_its_row_as_eager_rounds(K, x_dtype, dtype):
         unrounded = gate.float() / (1 + torch.exp(-gate.float())) * up.float()
         assert K < 100 or x_dtype == torch.float32 or dtype == F8 or \
             not torch.equal(quantize_rows(unrounded, dtype, DIVISOR[dtype], SCALE_EPS)[0], q)
-    else:  # (a step: int8's, or e4m3's at that value, 1/8 of it at most)
+    else:  # (a step: int8's, or e4m3's at that value, 1/8 of it at most; the scale an fp32 rounding apart)
         apart = (out.flatten() - ref).abs()
         step = s.flatten() if dtype == I8 else ref.abs() / 8 + s.flatten() * 2.0**-9
-        assert (apart <= 1.01 * step).all() and int((apart > 0).sum()) <= max(2, K // 100)
+        assert (apart <= 1.01 * step).all() and int((apart > step / 2).sum()) <= max(2, K // 100)
 
 
 def test_a_nan_in_the_row_gives_nan():
