@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 
 from .._compat import cond_op, inductor_config, is_fake, triton_allocator_unset
 from .configs import (Config, bucket_choices, cdiv, device_arch, device_properties, gemv_config, gemv_fills,
-                      select_config, sm_count)
+                      gemv_gated_config, select_config, sm_count)
 from .direct import launcher, record, record_call, split_scratch
 from .gemv import scaled_gemv_kernel
 from .persistent import scaled_mm_persistent_kernel
@@ -426,7 +426,7 @@ def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tenso
     scale_b, bias = (_flat(t, fake) for t in (scale_b, bias))
     flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=_per_element(scale_b), HAS_BIAS=bias is not None,
                  AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor), GATED=gate is not None)
-    cfg = gemv_config(int(b.shape[1]), int(x.shape[1]), sm_count(x.device))
+    cfg = (gemv_config if gate is None else gemv_gated_config)(int(b.shape[1]), int(x.shape[1]), sm_count(x.device))
     return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None, gate))
 
 

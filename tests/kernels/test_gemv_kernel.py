@@ -95,6 +95,25 @@ def test_a_gemv_config_takes_half_the_rows_below_four_programs_a_sm_and_a_short_
     assert gemv_config(28672, 100, 132) == Config(1, 8, 128, num_warps=4, num_stages=3, gemv=True)
 
 
+def test_a_gated_row_takes_16_rows_a_program_where_that_leaves_a_program_a_sm():
+    assert configs.gemv_gated_config(4096, 14336, 132) == replace(GEMV, block_n=16)  # 256 programs
+    assert configs.gemv_gated_config(2112, 14336, 132) == replace(GEMV, block_n=16)  # 132
+    assert configs.gemv_gated_config(2096, 14336, 132) == gemv_config(2096, 14336, 132)  # 131
+    assert configs.gemv_gated_config(4096, 100, 132) == replace(gemv_config(4096, 100, 132), block_n=16)
+
+
+def test_the_gated_launch_takes_the_gated_config(monkeypatch):
+    """``launch_gemv_quantized`` with a gate: ``gemv_gated_config``'s rows; without: ``gemv_config``'s."""
+    seen = []
+    monkeypatch.setattr(launch, "_run", lambda cfg, *a: seen.append(cfg.block_n))
+    x, g = torch.randn(1, 14336, dtype=torch.bfloat16), torch.randn(1, 14336, dtype=torch.bfloat16)
+    b, sb = torch.zeros(4096, 14336, dtype=torch.int8).t(), torch.ones(4096)
+    for gate in (None, g):
+        launch.launch_gemv_quantized(x, b, sb, torch.bfloat16, None, 127.5, 1e-7, gate)
+    sms = configs.sm_count(x.device)
+    assert seen == [gemv_config(4096, 14336, sms).block_n, configs.gemv_gated_config(4096, 14336, sms).block_n]
+
+
 @pytest.mark.parametrize("M,split_k,row_major", [(2, 1, False), (1, 2, False), (1, 1, True)])
 def test_a_gemv_config_refuses_what_its_kernel_cannot_run(sm90, M, split_k, row_major):
     a, b, out = _operands(M, 64, 256)
