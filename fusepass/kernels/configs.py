@@ -204,15 +204,15 @@ def gemv_config(N: int, K: int, sms: int) -> Config:
     return replace(GEMV, block_n=rows, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
 
 
+@functools.cache  # on the eager launch path
 def gemv_gated_config(N: int, K: int, sms: int) -> Config:
     """The M = 1 kernel's config where it also gates its row (``gemv.py``'s GATED): 16 rows a
-    program where that leaves a program a SM, else ``gemv_config``'s. Each program reads the row
-    and its gate twice and computes the SiLU, so fewer programs do less of it: H200, int8,
-    Llama-3-8B's down_proj (4096 x 14336), ``do_bench`` medians, 4 / 8 / 16 / 32 rows: 56.4 /
-    37.5 / 34.8 / 50.5 us, against 26.6 on a quantized row (o_proj's 4096 x 4096: 20.8 / 14.8 /
-    14.5 / 20.4; ``benchmarks/NOTES.md`` run 27)."""
-    cfg = gemv_config(N, K, sms)
-    return replace(cfg, block_n=16) if cdiv(N, 16) >= sms else cfg
+    program (where the kernel runs, ``gemv_fills``, that is at least a program a SM). Each
+    program reads the row and its gate twice and computes the SiLU, so fewer programs do less
+    of it: H200, int8, Llama-3-8B's down_proj (4096 x 14336), ``do_bench`` medians, 4 / 8 / 16 /
+    32 rows: 56.4 / 37.5 / 34.8 / 50.5 us, against 26.6 on a quantized row (o_proj's 4096 x
+    4096: 20.8 / 14.8 / 14.5 / 20.4; ``benchmarks/NOTES.md`` run 27)."""
+    return replace(gemv_config(N, K, sms), block_n=16)
 
 
 def gemv_fills(N: int, device) -> bool:

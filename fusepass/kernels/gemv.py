@@ -32,7 +32,8 @@ from .scaled_mm import _bias, _epilogue, _scale_b
 def _rounded(x, dtype: tl.constexpr):
     """The fp32 ``x`` rounded to ``dtype`` (bf16, fp16 or fp32) to nearest even, held in fp32.
     bf16 by its bits: Triton's interpreter truncates an fp32 -> bf16 cast (measured, Triton
-    3.9), and the tests compare this rounding exactly against eager's."""
+    3.9), and the tests compare this rounding exactly against eager's. (A NaN is kept apart:
+    the GPU's 0x7FFFFFFF would round to -0.0.)"""
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
@@ -71,15 +72,16 @@ def row_scale(
 ):
     """The per-token scale of the float row (``_row_block``'s) in fp32 with a correctly rounded
     division (``ops.dynamic.quantize_rows``'s recipes, ``DIVISOR`` and ``FLOOR``): int8
-    ``max(amax / divisor, floor)``, FP8 ``max(amax, floor) / divisor``; NaN where the row holds
-    one, as torch's ``amax`` gives (a GPU's max drops NaN)."""
+    ``max(amax / divisor, floor)``, FP8 ``max(amax, floor) / divisor``. NaN where the row holds
+    a NaN or an infinity, so every output is NaN, as eager's are for fp8 (torch's ``amax`` keeps
+    a NaN, an infinite scale makes ``inf / inf``; a GPU's max drops NaN, and ``tl.clamp`` too)."""
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     nans = tl.zeros((BLOCK_K,), dtype=tl.int32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         xf = _row_block(a_ptr, g_ptr, offs_k, K, stride_ak, EVEN_K, GATED).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(xf))
-        nans += (xf != xf).to(tl.int32)
+        nans += ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
     if FP8:
         scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), FLOOR), DIVISOR)
     else:
@@ -89,14 +91,15 @@ def row_scale(
 
 @triton.jit
 def _e4m3(v):
-    """The fp32 ``v`` (|v| <= 448) rounded to nearest even on e4m3's grid, held in fp32 (exact
-    there, so casting it is exact): 3 mantissa bits by its bits above 2**-6, steps of 2**-9
-    below (subnormals), by the 1.5 * 2**23 shift. By hand: Triton's interpreter rounds an
-    fp32 -> e4m3 cast wrongly where it carries into the exponent (126.44 -> 64, Triton 3.9)."""
+    """The fp32 ``v`` (finite, |v| <= 448: clamped) rounded to nearest even on e4m3's grid, held
+    in fp32 (exact there, so casting it is exact): 3 mantissa bits by its bits above 2**-6, steps
+    of 2**-9 below (subnormals), by the 1.5 * 2**23 shift (which makes -0.0 +0.0: a sum cannot
+    tell). By hand: Triton's interpreter rounds an fp32 -> e4m3 cast wrongly where it carries
+    into the exponent (126.44 -> 64, Triton 3.9)."""
     bits = v.to(tl.uint32, bitcast=True)
     normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
     subnormal = ((v * 512.0 + 12582912.0) - 12582912.0) * (1.0 / 512.0)
-    return tl.where(v != v, v, tl.where(tl.abs(v) < 0.015625, subnormal, normal))
+    return tl.where(tl.abs(v) < 0.015625, subnormal, normal)
 
 
 @triton.jit

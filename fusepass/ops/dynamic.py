@@ -33,8 +33,9 @@ reciprocal and Inductor's ``x / s`` may be approximate, so its scale can be an f
 apart from theirs, and a value at a rounding tie can then land on the neighbouring step
 (``benchmarks/NOTES.md`` run 26, step 3); Triton's ``exp`` is not CUDA's, so a gated value can
 round to a neighbour of eager's in ``x``'s dtype. All within the numerics policy; in Triton's
-interpreter its values equal the CPU's. A row holding a NaN gives a NaN scale, as torch's
-``amax`` does.
+interpreter its values equal the CPU's for finite rows. A row holding a NaN or an infinity
+gives a NaN scale, so NaN outputs (eager fp8's too; eager int8 casts NaN to an undefined
+integer).
 
 Elsewhere (other M, other layouts, the CPU) it computes the row with the ATen ops above and
 runs ``scaled_mm``; traced, Inductor fuses that into its own kernels as before. The pass makes

@@ -25,8 +25,9 @@ SiLU-mul into a kernel that the gated row makes unnecessary. Why: a default-mode
 bound by its launches (``benchmarks/NOTES.md`` run 25, step 4), and these are two of a layer's
 17: at 32 layers, b1, one process (run 27) int8 went from 1.24x bf16 (o_proj's alone) to 1.32x,
 fp8 from 1.28x (neither) to 1.35x. Inside CUDA graphs a launch costs nothing and each program
-reads the row twice more: o_proj's there was a little slower (run 26; the gated row's not
-measured there), so the default leaves them to their kernels.
+reads the row (and the gate) twice more: o_proj's alone took int8 from 1.46x to 1.44x there (run
+26), both rows from 1.46x to 1.20x (run 27, 4 rows a gated program), so there the default
+leaves them to their kernels.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
 from .graph import VIEW_OPS, Inserter, aten, cast_dtype, is_call, peel_views, schema_args, tensor_val
@@ -108,7 +109,7 @@ def _silu_of(node, dtype):
             return None
         node = node.args[0]
     if not (is_call(node, aten.div.Tensor) and is_call(node.args[1], aten.add.Tensor)
-            and node.args[1].args[1] == 1):
+            and node.args[1].args[1] == 1 and not node.args[1].kwargs):  # (no alpha)
         return None
     gf = node.args[0]
     if _one_arg(_one_arg(node.args[1].args[0], aten.exp.default), aten.neg.default) is not gf:
@@ -119,18 +120,21 @@ def _silu_of(node, dtype):
 
 def _gated(x, quantization: set):
     """(g, u) where ``x`` is (through views used once) ``silu(g) * u`` used by nothing but the
-    ``quantization``'s nodes, else None."""
-    if set(x.users) - quantization:
+    ``quantization``'s nodes, and of a static shape (the op's rows are reshaped to it), else None."""
+    if set(x.users) - quantization or not all(is_concrete_int(d) for d in tensor_val(x).shape):
         return None
     mul = x
     while is_call(mul, *VIEW_OPS) and len(mul.args[0].users) == 1:
         mul = mul.args[0]
-    if not is_call(mul, aten.mul.Tensor) or not all(isinstance(t, fx.Node) for t in mul.args):
+    if not is_call(mul, aten.mul.Tensor):
+        return None
+    vals = [t.meta.get("val") if isinstance(t, fx.Node) else None for t in mul.args]
+    if not all(isinstance(v, torch.Tensor) for v in vals):  # (a scalar factor, a SymInt's node)
         return None
     dtype = tensor_val(mul).dtype
-    for silu, u in (mul.args, mul.args[::-1]):
+    for (silu, u), uval in ((mul.args, vals[1]), (mul.args[::-1], vals[0])):
         g = _silu_of(silu, dtype)
-        if g is not None and tensor_val(u).dtype == dtype and tensor_val(g).shape == tensor_val(u).shape:
+        if g is not None and uval.dtype == dtype and tensor_val(g).shape == uval.shape:
             return g, u
     return None
 

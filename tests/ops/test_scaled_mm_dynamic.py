@@ -110,11 +110,49 @@ def test_the_m1_kernel_gates_its_row_as_eager_rounds(K, x_dtype, dtype):
         assert (apart <= 1.01 * step).all() and int((apart > step / 2).sum()) <= max(2, K // 100)
 
 
-def test_a_nan_in_the_row_gives_nan():
-    x, b, sb, bias = _problem(64, 100, I8)
-    x[0, 37] = float("nan")
-    out = launch.launch_gemv_quantized(x, b, sb, torch.float32, bias, 127.5, SCALE_EPS)
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("where,value", [("x", float("nan")), ("x", float("inf")), ("x", -float("inf")),
+                                         ("gate", float("nan")), ("gate", float("inf")), ("overflow", 3e38)])
+def test_a_nan_or_an_infinity_in_the_row_gives_nan(dtype, where, value):
+    """As eager's fp8 (a NaN, or ``inf / inf`` under an infinite scale, cast to e4m3 is NaN);
+    ``overflow``: the gated product of two finite bf16 rows is infinite."""
+    x, b, sb, bias = _problem(64, 100, dtype)
+    gate = None if where == "x" else torch.randn_like(x)
+    (x if where == "x" else gate if where == "gate" else x)[0, 37] = value
+    if where == "overflow":
+        gate[0, 37] = value
+    out = launch.launch_gemv_quantized(x, b, sb, torch.float32, bias, DIVISOR[dtype], SCALE_EPS, gate=gate)
     assert out.isnan().all()
+    if dtype == F8:
+        h = x if gate is None else torch.nn.functional.silu(gate) * x
+        q, s = quantize_rows(h, F8, 448.0, SCALE_EPS)
+        assert (q.float() * s).isnan().any()  # (eager's row: NaN where the kernel says so)
+
+
+def test_gemv_quantizes_a_gate_only_of_the_rows_dtype_shape_and_stride():
+    x, b, _, _ = _problem(4096, 512, I8, device="cpu")
+    wide = torch.randn(1, 1024, dtype=BF16)
+    for gate, takes in ((None, True), (torch.randn_like(x), True), (wide[:, 512:], True), (wide[:, ::2], False),
+                        (torch.randn_like(x, dtype=torch.float16), False), (torch.randn(1, 256, dtype=BF16), False)):
+        assert launch.gemv_quantizes(x, b, gate) == takes, gate
+    assert not launch.gemv_quantizes(x.float(), b.float(), None)  # (a float b: no quantized row)
+
+
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+def test_the_m1_kernel_gates_rows_cut_from_one_buffer(dtype):
+    """gate/up's joined output: the gate and the row at two offsets of one buffer, unit stride
+    (a model's), or interleaved (stride 2); as the same rows made contiguous."""
+    K = 1000
+    _, b, sb, bias = _problem(48, K, dtype)
+    buf = torch.randn(1, 2 * K, device=DEVICE).to(BF16) * 3
+    want = None
+    for gate, up in ((buf[:, :K], buf[:, K:]), (buf[:, ::2], buf[:, 1::2])):
+        out = launch.launch_gemv_quantized(up, b, sb, torch.float32, bias, DIVISOR[dtype], SCALE_EPS, gate=gate)
+        ref = launch.launch_gemv_quantized(up.contiguous(), b, sb, torch.float32, bias, DIVISOR[dtype], SCALE_EPS,
+                                           gate=gate.contiguous())
+        assert torch.equal(out, ref)
+        want = out if want is None else want
+    assert not torch.equal(want, out)  # (two different pairs of rows)
 
 
 def test_the_op_is_the_quantization_then_scaled_mm():

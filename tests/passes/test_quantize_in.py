@@ -16,6 +16,7 @@ from tests.passes.harness import assert_policy, run_pass
 F = torch.nn.functional
 EPS = torch.finfo(torch.float32).eps
 F8 = torch.float8_e4m3fn
+DIVISOR = {torch.int8: 127.5, F8: 448.0}  # (the recipes' divisors)
 ON = PassConfig(quantize_in_gemv=True)
 H, D, N = 4, 32, 96  # heads, head size (K = 128), the weight's rows
 
@@ -134,7 +135,7 @@ def _gated_mlp(g, u, w, sw, act=F.silu, swap=False, twice=False):
     rows, quantized per token (to ``w``'s dtype), then a dequantized product."""
     h = u * act(g) if swap else act(g) * u  # (B, S, K)
     x = h.reshape(-1, h.shape[-1])
-    qx, s = quantize_rows(x, w.dtype, 127.5 if w.dtype == torch.int8 else 448.0, EPS)
+    qx, s = quantize_rows(x, w.dtype, DIVISOR[w.dtype], EPS)
     y = ((qx.float() * s) @ (w.float() * sw).t()).to(torch.bfloat16)
     return (y, h) if twice else y
 
@@ -150,7 +151,7 @@ def _gated_inputs(dtype=torch.bfloat16, seq=1, seed=0, K=160, w_dtype=torch.int8
 
 def _gated_reference(g, u, w, sw):
     x = (F.silu(g) * u).reshape(-1, g.shape[-1])
-    qx, s = quantize_rows(x, w.dtype, 127.5 if w.dtype == torch.int8 else 448.0, EPS)
+    qx, s = quantize_rows(x, w.dtype, DIVISOR[w.dtype], EPS)
     return (qx.double() * s.double()) @ (w.double() * sw.double()).t()
 
 
@@ -188,17 +189,56 @@ class TestGatedRow(expecttest.TestCase):
         with torch._inductor.config.patch({"triton.cudagraphs": True}):
             self.assertEqual(run_pass(_gated_mlp, *args).counts, {"dequant_mm": 1})
 
-    def test_rows_the_gate_or_the_product_used_elsewhere_stay(self):
-        """Two rows; the product also returned (its kernel runs anyway); another activation
-        (GELU); a product with no activation."""
+    def test_rows_the_product_used_elsewhere_or_another_activation_stay(self):
+        """Two rows; the product also returned (its kernel runs anyway); GELU (exact, tanh); no
+        activation; a SiLU written by hand in bf16 (no fp32 between its ops: the kernel's would
+        round otherwise); ``g * sigmoid(g)``; the SiLU in fp32 times a bf16 up (an fp32 product);
+        a fp16 gate times a bf16 up; a gate broadcast along K."""
+        def bf16_silu(t):
+            return t / (1 + torch.exp(-t))
+
         cases = {
-            "two rows": (lambda *a: _gated_mlp(*a), _gated_inputs(seq=2)),
+            "two rows": (_gated_mlp, _gated_inputs(seq=2)),
             "product used twice": (lambda *a: _gated_mlp(*a, twice=True), _gated_inputs()),
             "gelu": (lambda *a: _gated_mlp(*a, act=F.gelu), _gated_inputs()),
+            "gelu tanh": (lambda *a: _gated_mlp(*a, act=lambda t: F.gelu(t, approximate="tanh")), _gated_inputs()),
             "no activation": (lambda *a: _gated_mlp(*a, act=lambda t: t), _gated_inputs()),
+            "bf16 silu by hand": (lambda *a: _gated_mlp(*a, act=bf16_silu), _gated_inputs()),
+            "g * sigmoid(g)": (lambda *a: _gated_mlp(*a, act=lambda t: t * torch.sigmoid(t)), _gated_inputs()),
+            "fp32 silu": (lambda *a: _gated_mlp(*a, act=lambda t: F.silu(t.float())), _gated_inputs()),
+            "fp16 gate": (lambda g, *a: _gated_mlp(g.half(), *a), _gated_inputs()),
+            "broadcast gate": (lambda *a: _gated_mlp(*a, act=lambda t: F.silu(t[..., :1])), _gated_inputs()),
         }
         for name, (fn, args) in cases.items():
             with self.subTest(name):
                 r = run_pass(fn, *args, config=ON)
                 self.assertEqual(r.counts, {"dequant_mm": 1})
                 self.assertIn("fusepass.scaled_mm(", r.after)
+
+    def test_a_silu_used_elsewhere_is_still_gated_in_the_matmul(self):
+        """(Its own kernel computes it again for the other use.)"""
+        def fn(g, u, w, sw):
+            return _gated_mlp(g, u, w, sw), F.silu(g)
+
+        args = _gated_inputs()
+        r = run_pass(fn, *args, config=ON)
+        self.assertEqual(r.counts, {"dequant_mm": 1, NAME: 1})
+        self.assertTrue(torch.equal(r.out[0], fn(*args)[0]))
+
+    def test_a_symbolic_factor_or_a_symbolic_k_compiles_unchanged(self):
+        """A product of the SiLU and a size (a SymInt's node, not a tensor); a K that is
+        symbolic (``dynamic=True``: the op's rows would be reshaped to it). Neither fails the
+        compile."""
+        def by_size(g, n, w, sw):
+            h = F.silu(g) * n.shape[0]
+            qx, s = quantize_rows(h.reshape(-1, h.shape[-1]), torch.int8, 127.5, EPS)
+            return ((qx.float() * s) @ (w.float() * sw).t()).to(torch.bfloat16)
+
+        g, _, w, sw = _gated_inputs()
+        n = torch.zeros(5)
+        torch._dynamo.mark_dynamic(n, 0)
+        r = run_pass(by_size, g, n, w, sw, config=ON)
+        self.assertEqual(r.counts, {"dequant_mm": 1})
+        r = run_pass(_gated_mlp, *_gated_inputs(), dynamic=True, config=ON)
+        self.assertNotIn(NAME, r.counts)
+        self.assertEqual(r.out.shape, (1, N))
