@@ -55,7 +55,8 @@ def test_the_m1_kernel_rounds_half_to_even_and_clamps_as_torch():
 
 def test_the_m1_kernel_rounds_to_e4m3_as_torch():
     """fp8: a row whose scale is exactly 1 (amax 448): midpoints of e4m3's grid both ways
-    (normal, subnormal, into the next binade), the smallest normal, -0.0."""
+    (normal, subnormal, into the next binade), the smallest normal, -0.0 (a zero: no sum can
+    tell its sign, nor this check)."""
     values = [448.0, -448.0, 1.0625, 1.1875, -1.1875, 248.0, 2.0**-10, 3 * 2.0**-10, 15 * 2.0**-10, 2.0**-6,
               126.4448, -0.0, 0.3]
     x = torch.tensor(values + [0.0] * 20, dtype=torch.float32, device=DEVICE)[None]  # K = 33
