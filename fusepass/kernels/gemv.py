@@ -68,11 +68,11 @@ def _row_block(
 def row_scale(
     a_ptr, g_ptr, K, stride_ak,
     DIVISOR: tl.constexpr, FLOOR: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-    FP8: tl.constexpr,
+    FLOOR_FIRST: tl.constexpr,
 ):
     """The per-token scale of the float row (``_row_block``'s) in fp32 with a correctly rounded
-    division (``ops.dynamic.quantize_rows``'s recipes, ``DIVISOR`` and ``FLOOR``): int8
-    ``max(amax / divisor, floor)``, FP8 ``max(amax, floor) / divisor``. NaN where the row holds
+    division (``ops.dynamic.quantize_rows``'s recipes, ``DIVISOR`` and ``FLOOR``):
+    ``max(amax / divisor, floor)``, or FLOOR_FIRST ``max(amax, floor) / divisor``. NaN where the row holds
     a NaN or an infinity, so every output is NaN, as eager's are for fp8 (torch's ``amax`` keeps
     a NaN, an infinite scale makes ``inf / inf``; a GPU's max drops NaN, and ``tl.clamp`` too)."""
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -82,7 +82,7 @@ def row_scale(
         xf = _row_block(a_ptr, g_ptr, offs_k, K, stride_ak, EVEN_K, GATED).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(xf))
         nans += ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
-    if FP8:
+    if FLOOR_FIRST:
         scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), FLOOR), DIVISOR)
     else:
         scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), DIVISOR), FLOOR)
@@ -169,11 +169,11 @@ def scaled_gemv_kernel(
     # (the recipe's two values per model compile once)
     DIVISOR: tl.constexpr = 1.0, FLOOR: tl.constexpr = 0.0,
     GATED: tl.constexpr = False,  # QUANT's row is silu(g) * a (a Llama MLP's down_proj input)
+    FLOOR_FIRST: tl.constexpr = False,  # QUANT's scale: max(amax, FLOOR) / DIVISOR (row_scale)
 ):
     x_scale = 1.0
     if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
-        x_scale = row_scale(a_ptr, g_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED,
-                            b_ptr.dtype.element_ty != tl.int8)
+        x_scale = row_scale(a_ptr, g_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED, FLOOR_FIRST)
     acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
                                   BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT, g_ptr, GATED)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.

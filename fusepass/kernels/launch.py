@@ -270,7 +270,8 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
             raise ValueError(f"a gemv config needs M = 1, b contiguous along K, a static K and split_k 1, got "
                              f"a {tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
         return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),),
-                    {"QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, "GATED": False, **flags, **tiling, "EVEN_K": even_k})
+                    {"QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, "GATED": False, "FLOOR_FIRST": False, **flags,
+                     **tiling, "EVEN_K": even_k})
     tma = cfg.tma and tma_allowed(a, b, fake)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     tiling.update(BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m)
@@ -416,16 +417,18 @@ def gemv_quantizes(x: torch.Tensor, b: torch.Tensor, gate: torch.Tensor | None =
 
 def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
                           bias: torch.Tensor | None, divisor: float, floor: float,
-                          gate: torch.Tensor | None = None) -> torch.Tensor:
+                          gate: torch.Tensor | None = None, floor_first: bool | None = None) -> torch.Tensor:
     """``x`` (1, K), a float row (or, given ``gate``, ``silu(gate) * x``: ``gemv.py``'s GATED),
     quantized per token to ``b``'s dtype inside the M = 1 kernel (``gemv.py``'s QUANT), times
     ``b`` with scaled_mm's epilogue: one launch where a quantization kernel and
-    ``launch_scaled_mm`` take two. Validated inputs where ``gemv_quantizes``; eager,
-    interpreted and traced alike."""
+    ``launch_scaled_mm`` take two; the scale ``max(amax / divisor, floor)``, or ``floor_first``
+    (None: for an e4m3 ``b``) ``max(amax, floor) / divisor``. Validated inputs where
+    ``gemv_quantizes``; eager, interpreted and traced alike."""
     fake = _traced(x)
     scale_b, bias = (_flat(t, fake) for t in (scale_b, bias))
     flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=_per_element(scale_b), HAS_BIAS=bias is not None,
-                 AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor), GATED=gate is not None)
+                 AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor), GATED=gate is not None,
+                 FLOOR_FIRST=b.dtype == torch.float8_e4m3fn if floor_first is None else bool(floor_first))
     cfg = (gemv_config if gate is None else gemv_gated_config)(int(b.shape[1]), int(x.shape[1]), sm_count(x.device))
     return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None, gate))
 

@@ -3,22 +3,25 @@
 
     if gate is not None:
         x = silu(gate) * x  # in x's dtype, as eager rounds each op
-    q, scale_a = quantize_rows(x, b.dtype, divisor, floor)
+    q, scale_a = quantize_rows(x, b.dtype, divisor, floor, floor_first)
     out = scaled_mm(q, b, scale_a, scale_b, out_dtype, bias)
 
 ``quantize_rows``, in fp32 with correctly rounded divisions (torchao's and compressed-tensors'
-dynamic per-token recipes, as ``fusepass.prepare``'s modules quantize):
+dynamic per-token recipes, as ``fusepass.prepare``'s modules quantize, and the hand-written
+forms' with ``floor_first``):
 
 - ``b`` int8: ``scale = max(amax / divisor, floor)``, ``q = clamp(round(x / scale), -128, 127)``
   (round half to even; ``divisor`` 127.5 for torchao and compressed-tensors);
 - ``b`` float8_e4m3fn: ``scale = max(amax, floor) / divisor``, ``q = clamp(x / scale, -448,
-  448)`` cast to e4m3 (``divisor`` 448).
+  448)`` cast to e4m3 (``divisor`` 448);
+- ``floor_first`` True or False takes the other dtype's scale (``max(amax, floor) / divisor``
+  or ``max(amax / divisor, floor)``); None, the dtype's own.
 
 Arguments: ``x`` [M, K] bfloat16, float16 or float32; ``b``, ``scale_b``, ``out_dtype`` and
 ``bias`` as ``scaled_mm``'s (``fusepass/ops/scaled_mm.py``); ``divisor`` > 0, ``floor`` >= 0;
 ``gate`` None or a tensor of ``x``'s dtype, shape and device (a gated MLP's gate projection:
-``x`` is then its up projection, and the row quantized the SiLU-mul of the two).
-Returns a new contiguous [M, N] tensor of ``out_dtype``.
+``x`` is then its up projection, and the row quantized the SiLU-mul of the two); ``floor_first``
+None, True or False. Returns a new contiguous [M, N] tensor of ``out_dtype``.
 
 Why an op of its own: at M = 1 (decode at batch 1) on CUDA, with an int8 or e4m3 ``b = w.t()``,
 the M = 1 kernel quantizes the row itself (``kernels/gemv.py``, QUANT: each program reads the
@@ -62,21 +65,23 @@ OP = "fusepass.scaled_mm_dynamic"
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float) -> tuple[Tensor, Tensor]:
-    """``x`` (M, K) quantized per row to ``dtype`` (int8 or float8_e4m3fn): (q, scale (M, 1) fp32).
-    The int8 and fp8 forms of ``integrations/linear.quantize_rows`` (a test holds them equal),
+def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float,
+                  floor_first: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+    """``x`` (M, K) quantized per row to ``dtype`` (int8 or float8_e4m3fn): (q, scale (M, 1) fp32)
+    (``floor_first``: the module docstring). The int8 and fp8 forms of ``integrations/linear.quantize_rows`` (a test holds them equal),
     written again there: a prepared linear's traced body keys AOTAutograd's cache by that file
     alone."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    if dtype == torch.float8_e4m3fn:
-        scale = amax.clamp(min=floor) / divisor
+    fp8 = dtype == torch.float8_e4m3fn
+    scale = amax.clamp(min=floor) / divisor if (fp8 if floor_first is None else floor_first) else \
+        (amax / divisor).clamp(min=floor)
+    if fp8:
         return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
-    scale = (amax / divisor).clamp(min=floor)
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
 
 
-def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate=None) -> None:
+def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate=None, floor_first=None) -> None:
     """Validate the arguments (``scaled_mm``'s checks, ``x`` in place of ``a`` and ``scale_a``)."""
     _check_tensor(OP, "x", x, X_DTYPES)
     if gate is not None:
@@ -91,6 +96,8 @@ def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate=None
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (divisor, floor))
     if not (numbers and divisor > 0 and floor >= 0):
         raise ValueError(f"{OP}: `divisor` must be > 0 and `floor` >= 0; got {divisor!r}, {floor!r}")
+    if not (floor_first is None or isinstance(floor_first, bool)):
+        raise ValueError(f"{OP}: `floor_first` must be None, True or False; got {floor_first!r}")
     K, N = b.shape
     _check_scale(OP, "scale_b", scale_b, N, 1)
     tensors = {"x": x, "b": b, "scale_b": scale_b}
@@ -112,15 +119,16 @@ def scaled_mm_dynamic_impl(
     divisor: float = 127.5,
     floor: float = torch.finfo(torch.float32).eps,
     gate: Optional[Tensor] = None,
+    floor_first: Optional[bool] = None,
 ) -> Tensor:
-    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
+    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
     if statically_known_true(x.shape[1] == 0):
         return _compute(x, b, None, scale_b, out_dtype, bias)  # (an empty sum: the bias alone)
     if x.device.type == "cuda" and gemv_quantizes(x, b, gate):
-        return launch_gemv_quantized(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
+        return launch_gemv_quantized(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
     if gate is not None:
         x = torch.nn.functional.silu(gate) * x
-    q, scale_a = quantize_rows(x, b.dtype, divisor, floor)
+    q, scale_a = quantize_rows(x, b.dtype, divisor, floor, floor_first)
     return _compute(q, b, scale_a, scale_b, out_dtype, bias)
 
 
@@ -130,16 +138,16 @@ IMPLS[torch.ops.fusepass.scaled_mm_dynamic.default] = scaled_mm_dynamic_impl  # 
 
 @torch.library.register_fake("fusepass::scaled_mm_dynamic")
 def _scaled_mm_dynamic_fake(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
-                            floor=torch.finfo(torch.float32).eps, gate=None):
-    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
+                            floor=torch.finfo(torch.float32).eps, gate=None, floor_first=None):
+    check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
     return x.new_empty((x.shape[0], b.shape[1]), dtype=out_dtype)
 
 
 def scaled_mm_dynamic(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
-                      floor=torch.finfo(torch.float32).eps, gate=None) -> Tensor:
+                      floor=torch.finfo(torch.float32).eps, gate=None, floor_first=None) -> Tensor:
     """``x`` (float [M, K]; given ``gate``, ``silu(gate) * x``) quantized per token to ``b``'s
     dtype, then ``scaled_mm``: see the module docstring. Same as
     ``torch.ops.fusepass.scaled_mm_dynamic``."""
     if out_dtype not in OUT_DTYPES or not _plain_eager(x, b, scale_b, bias, gate):
-        return torch.ops.fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
-    return scaled_mm_dynamic_impl(x, b, scale_b, out_dtype, bias, divisor, floor, gate)
+        return torch.ops.fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
+    return scaled_mm_dynamic_impl(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)

@@ -5,9 +5,12 @@ Matches: an int8 or fp8 ``fusepass.scaled_mm`` call at a static M = 1, ``b`` sto
 ``w.t()``, whose ``a`` and ``scale_a`` are the per-token quantization of a float row ``x`` and
 used by nothing else, in the ATen forms ``ops.dynamic.quantize_rows`` traces (a
 ``fusepass.prepare``d linear traces the same): int8 ``clamp_max(clamp_min(round(xf / s), -128),
-127).to(int8)`` with ``s = clamp_min(amax(abs(xf), -1) / D, F)``, fp8 ``clamp_max(clamp_min(xf /
-s, -448), 448).to(float8_e4m3fn)`` with ``s = clamp_min(amax(abs(xf), -1), F) / D`` (``xf`` is
-``x`` cast to fp32, or ``x``), where either
+127).to(int8)``, fp8 ``clamp_max(clamp_min(xf / s, -448), 448).to(float8_e4m3fn)``, with ``s`` =
+``clamp_min(amax(abs(xf), -1) / D, F)`` or ``clamp_min(amax(abs(xf), -1), F) / D`` in fp32 (either
+for either dtype: ``floor_first``); ``xf`` is ``x`` cast to fp32, or ``x``, and the amax may be
+taken in ``x``'s dtype then cast (the same values), as a hand-written linear does
+(``fusepass.demo.handwritten``: also an fp8 row cast without the clamp, the same values where
+D <= 448, since ``|xf / s| <= D`` up to a rounding and e4m3 rounds up to 464 to 448); where either
 
 - ``x`` comes through views from an output of a multi-output op (a ``getitem``: attention),
   which runs as a kernel of its own that Inductor cannot fuse the quantization into; or
@@ -54,24 +57,36 @@ def _one_arg(node, target, *consts):
 
 
 def _abs_of(node):
-    """The ``abs(xf)`` node where ``node`` is ``amax(abs(xf), [-1], True)``, else None."""
+    """The ``abs(x)`` node where ``node`` is ``amax(abs(x), [-1], True)``, or that of a bf16 or
+    fp16 ``x`` cast to fp32 (a hand-written form's: the same values), else None."""
+    if cast_dtype(node) == torch.float32 and tensor_val(node.args[0]).dtype in (torch.bfloat16, torch.float16):
+        node = node.args[0]
+    elif tensor_val(node).dtype != torch.float32:  # (a scale computed in bf16: another recipe)
+        return None
     if not is_call(node, aten.amax.default) or list(node.args[1:]) not in ([[-1], True], [[1], True]):
         return None
     return node.args[0] if is_call(node.args[0], aten.abs.default) else None
 
 
-def _scale(s, fp8: bool):
-    """(abs(xf), D, F) where ``s`` is int8's ``clamp_min(amax(abs(xf)) / D, F)`` or (``fp8``)
-    ``clamp_min(amax(abs(xf)), F) / D``, with D > 0 and F >= 0 (what the op takes), else None."""
-    outer, inner = (aten.div.Tensor, aten.clamp_min.default) if fp8 else (aten.clamp_min.default, aten.div.Tensor)
-    if not (is_call(s, outer) and is_call(s.args[0], inner)):
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _scale(s):
+    """(abs(x), D, F, floor_first) where ``s`` is ``clamp_min(amax(abs(x)) / D, F)`` or
+    (``floor_first``) ``clamp_min(amax(abs(x)), F) / D``, with D > 0 and F >= 0 (what the op
+    takes), else None."""
+    if is_call(s, aten.div.Tensor) and is_call(s.args[0], aten.clamp_min.default):
+        div, clamp, floor_first = s, s.args[0], True
+    elif is_call(s, aten.clamp_min.default) and is_call(s.args[0], aten.div.Tensor):
+        div, clamp, floor_first = s.args[0], s, False
+    else:
         return None
-    div, clamp = (s, s.args[0]) if fp8 else (s.args[0], s)
     divisor, floor = div.args[1], clamp.args[1]
-    if not (isinstance(divisor, float) and divisor > 0 and isinstance(floor, float) and floor >= 0):
+    if not (_number(divisor) and divisor > 0 and _number(floor) and floor >= 0):
         return None
     abs_ = _abs_of(s.args[0].args[0])
-    return None if abs_ is None else (abs_, divisor, floor)
+    return None if abs_ is None else (abs_, float(divisor), float(floor), floor_first)
 
 
 # The quantized row's last steps by dtype: q = clamp_max(clamp_min(v, lo), hi) with v = xf / s
@@ -80,26 +95,31 @@ _CLAMPS = {torch.int8: (-128, 127), torch.float8_e4m3fn: (-448.0, 448.0)}
 
 
 def _quantization(a):
-    """(x, s, D, F, nodes: those that read ``x``) where ``a`` is the quantized row (module
-    docstring), else None."""
+    """(x, s, D, F, floor_first, nodes: those that read ``x``) where ``a`` is the quantized row
+    (module docstring), else None."""
     dtype = cast_dtype(a)
     if dtype not in _CLAMPS:
         return None
     lo, hi = _CLAMPS[dtype]
     v = _one_arg(_one_arg(a.args[0], aten.clamp_max.default, hi), aten.clamp_min.default, lo)
+    if v is None and dtype == torch.float8_e4m3fn:
+        v = a.args[0]  # (unclamped: the same values where D <= 448, checked below)
+        clamped = False
+    else:
+        clamped = True
     if dtype == torch.int8:
         v = _one_arg(v, aten.round.default)
-    if not is_call(v, aten.div.Tensor) or not isinstance(v.args[1], fx.Node):
+    if not (is_call(v, aten.div.Tensor) and isinstance(v.args[1], fx.Node) and tensor_val(v).dtype == torch.float32):
         return None
-    found = _scale(v.args[1], dtype != torch.int8)
-    if found is None or found[0].args[0] is not v.args[0]:
+    found = _scale(v.args[1])
+    if found is None or found[0].args[0] is not v.args[0] or not (clamped or found[1] <= 448.0):
         return None
-    abs_, divisor, floor = found
+    abs_, divisor, floor, floor_first = found
     xf = abs_.args[0]
     x = xf.args[0] if cast_dtype(xf) == torch.float32 else xf
-    if tensor_val(x).dtype not in (torch.bfloat16, torch.float16, torch.float32) or tensor_val(xf).dtype != torch.float32:
+    if tensor_val(x).dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return None
-    return x, v.args[1], divisor, floor, {xf} if xf is not x else {v, abs_}
+    return x, v.args[1], divisor, floor, floor_first, {xf} if xf is not x else {v, abs_}
 
 
 def _silu_of(node, dtype):
@@ -157,17 +177,19 @@ def quantize_in_gemv(graph: fx.Graph) -> list[str]:
         found = _quantization(a)
         if found is None or peel_views(scale_a) is not found[1]:
             continue
-        x, _, divisor, floor, readers = found
+        x, _, divisor, floor, floor_first, readers = found
         gated = _gated(x, readers)
         if gated is None and not _from_multi_output(x):
             continue
         ins = Inserter(graph, node)
         if gated is None:
-            args = (x, b, scale_b, out_dtype, bias, divisor, floor)
+            args = [x, b, scale_b, out_dtype, bias, divisor, floor]
         else:  # (as rows of x's shape: the gated MLP's are (B, S, K))
             g, u = (t if tensor_val(t).shape == tensor_val(x).shape else
                     ins.call(aten.reshape.default, t, list(tensor_val(x).shape)) for t in gated)
-            args = (u, b, scale_b, out_dtype, bias, divisor, floor, g)
+            args = [u, b, scale_b, out_dtype, bias, divisor, floor, g]
+        if floor_first != (tensor_val(a).dtype == torch.float8_e4m3fn):  # (not the dtype's own recipe)
+            args += [None] * (8 - len(args)) + [floor_first]
         new = ins.call(fusepass.scaled_mm_dynamic.default, *args)
         new.meta["stack_trace"] = node.meta.get("stack_trace")
         node.replace_all_uses_with(new)

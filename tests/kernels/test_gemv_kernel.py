@@ -68,8 +68,8 @@ def test_one_row_with_a_weight_as_stored_takes_the_gemv(sm90):
     a, b, out = _operands(1, 4096, 14336)
     p = launch.plan(gemv_config(4096, 14336, 132), FLAGS, a, b, out, fake=True)
     assert p.kernel is scaled_gemv_kernel and p.gemv and p.grid == (4096 // 4,) and p.split_k == 1
-    assert p.constexprs == {**FLAGS, "QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, "GATED": False, "BLOCK_N": 4, "BLOCK_K": 2048,
-                            "EVEN_K": True, "num_warps": 4, "num_stages": 3}
+    assert p.constexprs == {**FLAGS, "QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, "GATED": False, "FLOOR_FIRST": False,
+                            "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "num_warps": 4, "num_stages": 3}
 
 
 def test_the_launch_picks_the_gemv_for_one_row_of_a_wide_weight_as_stored(monkeypatch):

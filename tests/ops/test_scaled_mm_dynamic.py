@@ -184,6 +184,25 @@ def test_the_op_takes_the_quantizing_kernel_at_one_row_on_cuda(monkeypatch, dtyp
     assert ((out.float() - want.float()).abs().flatten() <= bound).all()
 
 
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("floor_first", [True, False])
+def test_floor_first_picks_the_scales_order_in_the_kernel_as_in_the_recipe(dtype, floor_first):
+    """A hand-written int8 form floors the amax before dividing (fp8's order); rows small
+    enough that the floor sets the scale tell the orders apart (read back through an identity
+    weight: scale * q)."""
+    K, divisor, floor = 64, DIVISOR[dtype], 1e-4
+    x = (torch.randn(1, K, generator=torch.Generator().manual_seed(3)) * 1e-3).to(DEVICE)
+    eye = torch.eye(K, device=DEVICE).to(dtype)
+    out = launch.launch_gemv_quantized(x, eye.t(), torch.ones(K, device=DEVICE), torch.float32, None, divisor, floor,
+                                       floor_first=floor_first)
+    q, s = quantize_rows(x, dtype, divisor, floor, floor_first)
+    other = quantize_rows(x, dtype, divisor, floor, not floor_first)[1]
+    assert s.item() != other.item()
+    assert torch.equal(out.flatten(), (q.float() * s).flatten())
+    default = quantize_rows(x, dtype, divisor, floor)[1]
+    assert torch.equal(default, s) == (floor_first == (dtype == F8))
+
+
 def test_the_op_with_a_gate_is_silu_mul_then_the_quantization():
     x, b, sb, bias = _problem(4096, 512, I8, device="cpu")
     gate = torch.randn_like(x)
@@ -217,7 +236,8 @@ def test_the_op_takes_the_gating_kernel_where_both_rows_share_a_stride(monkeypat
 def test_opcheck():
     x, b, sb, bias = _problem(48, 160, I8, device="cpu")
     for args in ((x, b, sb, BF16, bias, 127.5, SCALE_EPS), (x.repeat(3, 1), b, sb.view(1, -1), torch.float32, None, 127.0, 0.0),
-                 (x, b, sb, BF16, bias, 127.5, SCALE_EPS, torch.randn_like(x))):
+                 (x, b, sb, BF16, bias, 127.5, SCALE_EPS, torch.randn_like(x)),
+                 (x, b, sb, BF16, bias, 127.0, 1e-8, None, True)):
         torch.library.opcheck(torch.ops.fusepass.scaled_mm_dynamic.default, args)
 
 
@@ -234,10 +254,12 @@ def test_opcheck():
     (dict(gate=torch.zeros(1, 160, dtype=I8)), TypeError, "`gate` must have dtype bfloat16, float16, float32"),
     (dict(gate=torch.zeros(1, 160)), ValueError, "`gate` must have `x`'s dtype and shape; got gate shape (1, 160), dtype torch.float32"),
     (dict(gate=torch.zeros(2, 160, dtype=BF16)), ValueError, "`gate` must have `x`'s dtype and shape"),
+    (dict(floor_first=1), ValueError, "`floor_first` must be None, True or False; got 1"),
 ])
 def test_bad_inputs_are_refused_by_name(change, error, message):
     x, b, sb, bias = _problem(48, 160, I8, device="cpu")
-    args = dict(x=x, b=b, sb=sb, out_dtype=BF16, bias=bias, divisor=127.5, floor=SCALE_EPS, gate=None) | change
+    args = dict(x=x, b=b, sb=sb, out_dtype=BF16, bias=bias, divisor=127.5, floor=SCALE_EPS, gate=None,
+                floor_first=None) | change
     with pytest.raises(error, match=None) as e:
         scaled_mm_dynamic(*args.values())
     assert message in str(e.value), str(e.value)

@@ -11,13 +11,14 @@ import torch
 from fusepass.ops.dynamic import quantize_rows
 from fusepass.passes import PassConfig
 from fusepass.passes.quantize_in import NAME
+from fusepass.backend import capture_backend
 from tests.passes.harness import assert_policy, run_pass
 
 F = torch.nn.functional
 EPS = torch.finfo(torch.float32).eps
 F8 = torch.float8_e4m3fn
 DIVISOR = {torch.int8: 127.5, F8: 448.0}  # (the recipes' divisors)
-ON = PassConfig(quantize_in_gemv=True)
+ON, OFF = PassConfig(quantize_in_gemv=True), PassConfig(quantize_in_gemv=False)
 H, D, N = 4, 32, 96  # heads, head size (K = 128), the weight's rows
 
 
@@ -242,3 +243,72 @@ class TestGatedRow(expecttest.TestCase):
         r = run_pass(_gated_mlp, *_gated_inputs(), dynamic=True, config=ON)
         self.assertNotIn(NAME, r.counts)
         self.assertEqual(r.out.shape, (1, N))
+
+
+def _handwritten_rows(x, w, sw, dtype=torch.int8, divisor=127.0, clamp=True, bf16_scale=False):
+    """A hand-written linear's quantization (``fusepass.demo.handwritten``): the amax in the
+    row's dtype then cast, the floor before the division; fp8 with no clamp before the cast."""
+    amax = x.abs().amax(1, keepdim=True)
+    s = amax.clamp(min=1e-8) / divisor if bf16_scale else amax.float().clamp(min=1e-8) / divisor
+    v = x / s
+    if dtype == torch.int8:
+        q = v.round().clamp(-128, 127).to(torch.int8)
+    else:
+        q = (v.clamp(-448.0, 448.0) if clamp else v).to(F8)
+    return ((q.float() * s.float()) @ (w.float() * sw).t()).to(torch.bfloat16)
+
+
+class TestHandWrittenRecipes(expecttest.TestCase):
+    def _attention_then(self, recipe, dtype, **kw):
+        q, k, v, w, sw = _inputs(dtype=dtype)
+
+        def f(q, k, v, w, sw):
+            o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, H * D)
+            return recipe(o, w, sw, dtype=dtype, **kw)
+
+        on = run_pass(f, q, k, v, w, sw, config=ON)
+        counts = on.counts  # (read before the next run clears them)
+        return on, counts, run_pass(f, q, k, v, w, sw, config=OFF)
+
+    def test_int8_with_the_floor_first_is_quantized_in_the_matmul(self):
+        on, counts, off = self._attention_then(_handwritten_rows, torch.int8)
+        self.assertEqual(counts, {"dequant_mm": 1, NAME: 1})
+        self.assertRegex(on.after, r"= fusepass\.scaled_mm_dynamic\(view, \w+, \w+, bf16, None, 127\.0, 1e-08, None, True\)")
+        self.assertTrue(torch.equal(on.out, off.out))  # (the CPU: the op's ATen recipe, the same values)
+
+    def test_fp8_unclamped_is_quantized_in_the_matmul(self):
+        """``x / s`` with ``s = max(amax, F) / 448``: never past 448 by more than a rounding, so
+        the cast's values are the clamped ones (e4m3 rounds up to 464 to 448)."""
+        for clamp in (False, True):
+            with self.subTest(clamp=clamp):
+                on, counts, off = self._attention_then(_handwritten_rows, F8, divisor=448.0, clamp=clamp)
+                self.assertEqual(counts, {"dequant_mm": 1, NAME: 1})
+                self.assertRegex(on.after, r"= fusepass\.scaled_mm_dynamic\(view, \w+, \w+, bf16, None, 448\.0, 1e-08\)")
+                self.assertTrue(torch.equal(on.out, off.out))
+
+    def test_a_scale_in_bf16_or_an_unclamped_fp8_row_past_448_stays(self):
+        for dtype, kw in ((torch.int8, dict(bf16_scale=True)), (F8, dict(divisor=500.0, clamp=False))):
+            with self.subTest(dtype=str(dtype), **{k: str(v) for k, v in kw.items()}):
+                _, counts, _ = self._attention_then(_handwritten_rows, dtype, **kw)
+                self.assertNotIn(NAME, counts)
+
+    def test_a_handwritten_llama_at_decode_b1_quantizes_o_proj_and_down_proj_rows_in_their_launches(self):
+        transformers = __import__("pytest").importorskip("transformers")  # noqa: F841
+        from fusepass.demo import models
+        from fusepass.passes import FusePass
+
+        sizes = models.Sizes(layers=2, hidden_size=128, intermediate_size=256, heads=4, kv_heads=2, vocab_size=512)
+        model = models.quantized_copy(models.random_llama(sizes, 64, torch.device("cpu"), seed=0), "int8", "handwritten")
+        ids = models.prompt(model, 1, 8, seed=2)
+        outs, counts = [], []
+        for config in (ON, OFF):
+            pass_ = FusePass(config)
+            torch._dynamo.utils.counters["fusepass"].clear()
+            torch._dynamo.reset()
+            compiled = torch.compile(model, backend=capture_backend(lambda gm: pass_.run(gm.graph)), dynamic=False)
+            with torch.no_grad():
+                outs.append(compiled(**models.decode_inputs(ids, models.static_cache(model, 1, 16))).logits)
+            counts.append(dict(torch._dynamo.utils.counters["fusepass"]))
+        self.assertEqual(counts[0].pop(NAME), 2 * sizes.layers)
+        self.assertEqual(counts[0], counts[1])
+        self.assertTrue(torch.equal(outs[0], outs[1]))
