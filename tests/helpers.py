@@ -145,6 +145,10 @@ SPLIT_REQUESTS = [(False, False), ("select_config", False), (True, False), ("sel
                   (True, True), ("bucket_choices", True)]
 
 
+# The per-token recipes' divisors by quantized dtype (torchao's, compressed-tensors', prepare's).
+DIVISOR = {torch.int8: 127.5, torch.float8_e4m3fn: 448.0}
+
+
 def quantized_row_bound(x, s, b, scale_b, ref, bias=None) -> torch.Tensor:
     """Per column (N,), how far the M = 1 kernel quantizing the row ``x`` (1, K) in its launch
     may land from ``ref``, ``quantize_rows`` (scale ``s``) then the kernel. The kernel's scale

@@ -34,11 +34,13 @@ Its numbers: its divisions are IEEE fp32 divisions and its roundings to the near
 (int8 steps, e4m3's grid, bf16); eager CUDA divides by a Python float as a multiply by its
 reciprocal and Inductor's ``x / s`` may be approximate, so its scale can be an fp32 rounding
 apart from theirs, and a value at a rounding tie can then land on the neighbouring step
-(``benchmarks/NOTES.md`` run 26, step 3); Triton's ``exp`` is not CUDA's, so a gated value can
-round to a neighbour of eager's in ``x``'s dtype. All within the numerics policy; in Triton's
-interpreter its values equal the CPU's for finite rows. A row holding a NaN or an infinity
-gives a NaN scale, so NaN outputs (eager fp8's too; eager int8 casts NaN to an undefined
-integer).
+(``benchmarks/NOTES.md`` run 26, step 3); the SiLU's ``exp`` and division are Triton's
+(approximate on a GPU, as in the kernel Inductor makes of the same graph), not eager CUDA's,
+so a gated value can round to a neighbour of eager's in ``x``'s dtype. All within the numerics
+policy; in Triton's interpreter its values equal the CPU's for finite rows. A row holding a
+NaN or an infinity gives a NaN scale, so NaN outputs, as eager's (its scale is NaN or
+infinite); a row of zeros with ``floor`` 0 gives the bias alone where eager's ``0 / 0`` gives
+NaN for fp8.
 
 Elsewhere (other M, other layouts, the CPU) it computes the row with the ATen ops above and
 runs ``scaled_mm``; traced, Inductor fuses that into its own kernels as before. The pass makes

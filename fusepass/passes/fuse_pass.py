@@ -77,7 +77,8 @@ class PassConfig:
     # decode_splits tells), where a step is bound by its launches; measured at 32 layers, b1,
     # default mode (H200, benchmarks/NOTES.md runs 26-27): int8 1.22x bf16 without it, 1.24x with
     # o_proj's rows, 1.32x with down_proj's too; fp8 1.28x -> 1.35x. In CUDA graphs (each
-    # program reads the row twice more) o_proj's alone went 1.46x -> 1.44x, both 1.46x -> 1.20x.
+    # program reads the row twice more) o_proj's alone went 1.46x -> 1.44x, both 1.46x -> 1.20x
+    # (4 rows a gated program, before gemv_gated_config's 16).
     quantize_in_gemv: bool | None = None
 
     def __post_init__(self):

@@ -15,9 +15,10 @@ D <= 448, since ``|xf / s| <= D`` up to a rounding and e4m3 rounds up to 464 to 
 - ``x`` comes through views from an output of a multi-output op (a ``getitem``: attention),
   which runs as a kernel of its own that Inductor cannot fuse the quantization into; or
 - ``x`` is a gated MLP's ``silu(g) * u`` as its traced graph holds it (``mul(silu, u)`` or
-  ``mul(u, silu)``, ``silu`` = ``gf / (1 + exp(-gf))`` with ``gf`` = ``g`` cast to fp32 and the
-  result cast back to ``u``'s dtype, or all of it in fp32), ``g`` and ``u`` of one dtype and
-  shape, and ``x`` used by nothing but the quantization.
+  ``mul(u, silu)``, ``silu`` = ``gf / (1 + exp(-gf))`` (an ``add`` with no ``alpha``) with ``gf``
+  = ``g`` cast to fp32 and the result cast back to ``u``'s dtype, or all of it in fp32), ``g``
+  and ``u`` tensors of one dtype and shape, ``x`` of a static shape and used by nothing but the
+  quantization.
 
 Becomes: ``fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, D, F)``, or for the
 gated row ``fusepass.scaled_mm_dynamic(u, b, scale_b, out_dtype, bias, D, F, g)``; on CUDA the

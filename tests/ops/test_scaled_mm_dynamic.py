@@ -11,11 +11,10 @@ from fusepass.integrations.linear import quantize_rows as module_rows
 from fusepass.kernels import configs, launch
 from fusepass.kernels.configs import gemv_config
 from fusepass.ops.dynamic import quantize_rows, scaled_mm_dynamic
-from tests.helpers import quantized_row_bound
+from tests.helpers import DIVISOR, quantized_row_bound
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 I8, F8, BF16 = torch.int8, torch.float8_e4m3fn, torch.bfloat16
-DIVISOR = {I8: 127.5, F8: 448.0}
 
 
 def _problem(N, K, dtype, x_dtype=BF16, scale=3.0, seed=0, device=DEVICE):

@@ -12,12 +12,12 @@ from fusepass.ops.dynamic import quantize_rows
 from fusepass.passes import PassConfig
 from fusepass.passes.quantize_in import NAME
 from fusepass.backend import capture_backend
+from tests.helpers import DIVISOR
 from tests.passes.harness import assert_policy, run_pass
 
 F = torch.nn.functional
 EPS = torch.finfo(torch.float32).eps
 F8 = torch.float8_e4m3fn
-DIVISOR = {torch.int8: 127.5, F8: 448.0}  # (the recipes' divisors)
 ON, OFF = PassConfig(quantize_in_gemv=True), PassConfig(quantize_in_gemv=False)
 H, D, N = 4, 32, 96  # heads, head size (K = 128), the weight's rows
 
@@ -198,6 +198,10 @@ class TestGatedRow(expecttest.TestCase):
         def bf16_silu(t):
             return t / (1 + torch.exp(-t))
 
+        def silu_with_alpha(t):  # (SiLU's graph but for the add's alpha)
+            f = t.float()
+            return (f / torch.add(torch.exp(-f), 1, alpha=2)).to(t.dtype)
+
         cases = {
             "two rows": (_gated_mlp, _gated_inputs(seq=2)),
             "product used twice": (lambda *a: _gated_mlp(*a, twice=True), _gated_inputs()),
@@ -209,6 +213,7 @@ class TestGatedRow(expecttest.TestCase):
             "fp32 silu": (lambda *a: _gated_mlp(*a, act=lambda t: F.silu(t.float())), _gated_inputs()),
             "fp16 gate": (lambda g, *a: _gated_mlp(g.half(), *a), _gated_inputs()),
             "broadcast gate": (lambda *a: _gated_mlp(*a, act=lambda t: F.silu(t[..., :1])), _gated_inputs()),
+            "add with alpha": (lambda *a: _gated_mlp(*a, act=silu_with_alpha), _gated_inputs()),
         }
         for name, (fn, args) in cases.items():
             with self.subTest(name):
@@ -228,8 +233,7 @@ class TestGatedRow(expecttest.TestCase):
 
     def test_a_symbolic_factor_or_a_symbolic_k_compiles_unchanged(self):
         """A product of the SiLU and a size (a SymInt's node, not a tensor); a K that is
-        symbolic (``dynamic=True``: the op's rows would be reshaped to it). Neither fails the
-        compile."""
+        symbolic (the op's rows would be reshaped to it). Neither fails the compile."""
         def by_size(g, n, w, sw):
             h = F.silu(g) * n.shape[0]
             qx, s = quantize_rows(h.reshape(-1, h.shape[-1]), torch.int8, 127.5, EPS)
@@ -240,8 +244,12 @@ class TestGatedRow(expecttest.TestCase):
         torch._dynamo.mark_dynamic(n, 0)
         r = run_pass(by_size, g, n, w, sw, config=ON)
         self.assertEqual(r.counts, {"dequant_mm": 1})
-        r = run_pass(_gated_mlp, *_gated_inputs(), dynamic=True, config=ON)
+        g, u, w, sw = _gated_inputs()
+        for t, dim in ((g, 2), (u, 2), (w, 1)):  # (K alone: a symbolic divisor would not match anyway)
+            torch._dynamo.mark_dynamic(t, dim)
+        r = run_pass(_gated_mlp, g, u, w, sw, config=ON)
         self.assertNotIn(NAME, r.counts)
+        self.assertRegex(r.before, r"bf16\[1, 1, S\d\]")  # (K symbolic in the graph)
         self.assertEqual(r.out.shape, (1, N))
 
 
