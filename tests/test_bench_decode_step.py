@@ -55,6 +55,7 @@ def test_cpu_run_fuses_and_times(bench, tmp_path, capsys):
     for name, row in result["rows"].items():
         assert len(row["step_ms"]) == 1 and row["step_ms"][0] > 0 and row["profiled_host_ms"] > 0
         assert "Self CPU" in (tmp_path / f"profile-{name}.txt").read_text()
-    # every linear of the 1-layer model (7 and lm_head) fused; q/k/v one group, gate/up another
-    assert dict(counters["fusepass"]) == {"int_mm_scaled": 8, "scaled_mm_group": 2}
+    # every linear of the 1-layer model (7 and lm_head) fused; q/k/v one group, gate/up another;
+    # o_proj's and down_proj's rows quantized in their launches (default mode)
+    assert dict(counters["fusepass"]) == {"int_mm_scaled": 8, "scaled_mm_group": 2, "quantized_in_gemv": 2}
     assert "CPU timings" in capsys.readouterr().out
