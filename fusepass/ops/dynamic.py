@@ -14,8 +14,8 @@ forms' with ``floor_first``):
   (round half to even; ``divisor`` 127.5 for torchao and compressed-tensors);
 - ``b`` float8_e4m3fn: ``scale = max(amax, floor) / divisor``, ``q = clamp(x / scale, -448,
   448)`` cast to e4m3 (``divisor`` 448);
-- ``floor_first`` True or False takes the other dtype's scale (``max(amax, floor) / divisor``
-  or ``max(amax / divisor, floor)``); None, the dtype's own.
+- ``floor_first`` True: ``scale = max(amax, floor) / divisor``; False: ``max(amax / divisor,
+  floor)``; None: the dtype's own, above (a hand-written int8 linear floors first).
 
 Arguments: ``x`` [M, K] bfloat16, float16 or float32; ``b``, ``scale_b``, ``out_dtype`` and
 ``bias`` as ``scaled_mm``'s (``fusepass/ops/scaled_mm.py``); ``divisor`` > 0, ``floor`` >= 0;

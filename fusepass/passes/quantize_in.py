@@ -10,7 +10,8 @@ used by nothing else, in the ATen forms ``ops.dynamic.quantize_rows`` traces (a
 for either dtype: ``floor_first``); ``xf`` is ``x`` cast to fp32, or ``x``, and the amax may be
 taken in ``x``'s dtype then cast (the same values), as a hand-written linear does
 (``fusepass.demo.handwritten``: also an fp8 row cast without the clamp, the same values where
-D <= 448, since ``|xf / s| <= D`` up to a rounding and e4m3 rounds up to 464 to 448); where either
+D <= 448 and the floor keeps ``s`` a normal fp32 number, since ``|xf / s| <= D`` up to a rounding
+and e4m3 rounds up to 464 to 448); where either
 
 - ``x`` comes through views from an output of a multi-output op (a ``getitem``: attention),
   which runs as a kernel of its own that Inductor cannot fuse the quantization into; or
@@ -21,7 +22,9 @@ D <= 448, since ``|xf / s| <= D`` up to a rounding and e4m3 rounds up to 464 to 
   quantization.
 
 Becomes: ``fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, D, F)``, or for the
-gated row ``fusepass.scaled_mm_dynamic(u, b, scale_b, out_dtype, bias, D, F, g)``; on CUDA the
+gated row ``fusepass.scaled_mm_dynamic(u, b, scale_b, out_dtype, bias, D, F, g)``, with
+``floor_first`` last where the order is not the dtype's own (``None`` in the gate's place for
+a plain row); on CUDA the
 M = 1 kernel quantizes (and gates) the row itself (``kernels/gemv.py``). A Llama layer's
 o_proj and down_proj: o_proj's quantization is the one of a decode layer that Inductor launches
 on its own (q/k/v's and gate/up's fuse into the RMSNorm kernel); down_proj's is fused with the
@@ -62,8 +65,6 @@ def _abs_of(node):
     fp16 ``x`` cast to fp32 (a hand-written form's: the same values), else None."""
     if cast_dtype(node) == torch.float32 and tensor_val(node.args[0]).dtype in (torch.bfloat16, torch.float16):
         node = node.args[0]
-    elif tensor_val(node).dtype != torch.float32:  # (a scale computed in bf16: another recipe)
-        return None
     if not is_call(node, aten.amax.default) or list(node.args[1:]) not in ([[-1], True], [[1], True]):
         return None
     return node.args[0] if is_call(node.args[0], aten.abs.default) else None
@@ -93,6 +94,7 @@ def _scale(s):
 # The quantized row's last steps by dtype: q = clamp_max(clamp_min(v, lo), hi) with v = xf / s
 # (int8: round(xf / s)), then cast.
 _CLAMPS = {torch.int8: (-128, 127), torch.float8_e4m3fn: (-448.0, 448.0)}
+_TINY = torch.finfo(torch.float32).tiny
 
 
 def _quantization(a):
@@ -113,9 +115,14 @@ def _quantization(a):
     if not (is_call(v, aten.div.Tensor) and isinstance(v.args[1], fx.Node) and tensor_val(v).dtype == torch.float32):
         return None
     found = _scale(v.args[1])
-    if found is None or found[0].args[0] is not v.args[0] or not (clamped or found[1] <= 448.0):
+    if found is None or found[0].args[0] is not v.args[0]:
         return None
     abs_, divisor, floor, floor_first = found
+    # Unclamped fp8 equals clamped where |xf / s| stays below 464 (e4m3 rounds it to 448): s at
+    # least amax / D (a rounding off) with D <= 448, and s a normal fp32 number (a subnormal s
+    # loses the digits that keep it: amax 1.3e-42, F 0 gave |xf / s| = 477).
+    if not clamped and not (divisor <= 448.0 and (floor / divisor if floor_first else floor) >= _TINY):
+        return None
     xf = abs_.args[0]
     x = xf.args[0] if cast_dtype(xf) == torch.float32 else xf
     if tensor_val(x).dtype not in (torch.bfloat16, torch.float16, torch.float32):

@@ -198,6 +198,10 @@ def test_floor_first_picks_the_scales_order_in_the_kernel_as_in_the_recipe(dtype
     other = quantize_rows(x, dtype, divisor, floor, not floor_first)[1]
     assert s.item() != other.item()
     assert torch.equal(out.flatten(), (q.float() * s).flatten())
+    # (and through the op, which takes its ATen ops at this N)
+    op = torch.ops.fusepass.scaled_mm_dynamic(x, eye.t(), torch.ones(K, device=DEVICE), torch.float32, None, divisor,
+                                              floor, None, floor_first)
+    assert torch.equal(op.flatten(), (q.float() * s).flatten())
     default = quantize_rows(x, dtype, divisor, floor)[1]
     assert torch.equal(default, s) == (floor_first == (dtype == F8))
 

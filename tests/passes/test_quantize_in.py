@@ -253,11 +253,11 @@ class TestGatedRow(expecttest.TestCase):
         self.assertEqual(r.out.shape, (1, N))
 
 
-def _handwritten_rows(x, w, sw, dtype=torch.int8, divisor=127.0, clamp=True, bf16_scale=False):
+def _handwritten_rows(x, w, sw, dtype=torch.int8, divisor=127.0, clamp=True, bf16_scale=False, floor=1e-8):
     """A hand-written linear's quantization (``fusepass.demo.handwritten``): the amax in the
     row's dtype then cast, the floor before the division; fp8 with no clamp before the cast."""
     amax = x.abs().amax(1, keepdim=True)
-    s = amax.clamp(min=1e-8) / divisor if bf16_scale else amax.float().clamp(min=1e-8) / divisor
+    s = amax.clamp(min=floor) / divisor if bf16_scale else amax.float().clamp(min=floor) / divisor
     v = x / s
     if dtype == torch.int8:
         q = v.round().clamp(-128, 127).to(torch.int8)
@@ -295,7 +295,9 @@ class TestHandWrittenRecipes(expecttest.TestCase):
                 self.assertTrue(torch.equal(on.out, off.out))
 
     def test_a_scale_in_bf16_or_an_unclamped_fp8_row_past_448_stays(self):
-        for dtype, kw in ((torch.int8, dict(bf16_scale=True)), (F8, dict(divisor=500.0, clamp=False))):
+        """(and an unclamped fp8 row whose scale could be subnormal: no floor)"""
+        for dtype, kw in ((torch.int8, dict(bf16_scale=True)), (F8, dict(divisor=500.0, clamp=False)),
+                          (F8, dict(divisor=448.0, clamp=False, floor=0.0))):
             with self.subTest(dtype=str(dtype), **{k: str(v) for k, v in kw.items()}):
                 _, counts, _ = self._attention_then(_handwritten_rows, dtype, **kw)
                 self.assertNotIn(NAME, counts)
