@@ -406,6 +406,12 @@ def cond_choice(pred, if_true, if_false, operands: tuple, symbols: tuple):
     return out
 
 
+def floors_first(dtype: torch.dtype, floor_first: bool | None = None) -> bool:
+    """Whether a per-token scale is ``max(amax, floor) / divisor`` (else ``max(amax / divisor,
+    floor)``): ``floor_first``, or where None the dtype's own recipe (e4m3's; int8 divides first)."""
+    return dtype == torch.float8_e4m3fn if floor_first is None else bool(floor_first)
+
+
 def gemv_quantizes(x: torch.Tensor, b: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
     """Where ``launch_gemv_quantized`` runs: an int8 or e4m3 ``b`` on the M = 1 kernel's rows,
     which fill the GPU; a ``gate`` of ``x``'s dtype, shape and strides (the kernel reads both rows
@@ -421,14 +427,14 @@ def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tenso
     """``x`` (1, K), a float row (or, given ``gate``, ``silu(gate) * x``: ``gemv.py``'s GATED),
     quantized per token to ``b``'s dtype inside the M = 1 kernel (``gemv.py``'s QUANT), times
     ``b`` with scaled_mm's epilogue: one launch where a quantization kernel and
-    ``launch_scaled_mm`` take two; the scale ``max(amax / divisor, floor)``, or ``floor_first``
-    (None: for an e4m3 ``b``) ``max(amax, floor) / divisor``. Validated inputs where
+    ``launch_scaled_mm`` take two; the scale's order: ``floors_first(b.dtype, floor_first)``.
+    Validated inputs where
     ``gemv_quantizes``; eager, interpreted and traced alike."""
     fake = _traced(x)
     scale_b, bias = (_flat(t, fake) for t in (scale_b, bias))
     flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=_per_element(scale_b), HAS_BIAS=bias is not None,
                  AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor), GATED=gate is not None,
-                 FLOOR_FIRST=b.dtype == torch.float8_e4m3fn if floor_first is None else bool(floor_first))
+                 FLOOR_FIRST=floors_first(b.dtype, floor_first))
     cfg = (gemv_config if gate is None else gemv_gated_config)(int(b.shape[1]), int(x.shape[1]), sm_count(x.device))
     return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None, gate))
 

@@ -57,7 +57,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.library import triton_op
 
-from ..kernels.launch import gemv_quantizes, launch_gemv_quantized
+from ..kernels.launch import floors_first, gemv_quantizes, launch_gemv_quantized
 from .checks import (INPUT_DTYPES, MAX_K_INT8, OUT_DTYPES, _check_bias, _check_devices, _check_k, _check_scale,
                      _check_tensor, _describe, check_gpu, check_out_dtype)
 from .scaled_mm import IMPLS, _compute, _plain_eager
@@ -70,17 +70,21 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float,
                   floor_first: Optional[bool] = None) -> tuple[Tensor, Tensor]:
     """``x`` (M, K) quantized per row to ``dtype`` (int8 or float8_e4m3fn): (q, scale (M, 1) fp32)
-    (``floor_first``: the module docstring). The int8 and fp8 forms of ``integrations/linear.quantize_rows`` (a test holds them equal),
-    written again there: a prepared linear's traced body keys AOTAutograd's cache by that file
+    (``floor_first``: the module docstring). The int8 and fp8 forms of
+    ``integrations/linear.quantize_rows`` (a test holds them equal), written again there: a prepared linear's traced body keys AOTAutograd's cache by that file
     alone."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    fp8 = dtype == torch.float8_e4m3fn
-    scale = amax.clamp(min=floor) / divisor if (fp8 if floor_first is None else floor_first) else \
-        (amax / divisor).clamp(min=floor)
-    if fp8:
+    scale = amax.clamp(min=floor) / divisor if floors_first(dtype, floor_first) else (amax / divisor).clamp(min=floor)
+    if dtype == torch.float8_e4m3fn:
         return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
+
+
+def valid_recipe(divisor, floor) -> bool:
+    """The op's ``divisor`` and ``floor``: numbers (not bools), ``divisor`` > 0, ``floor`` >= 0."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (divisor, floor))
+    return numbers and divisor > 0 and floor >= 0
 
 
 def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate=None, floor_first=None) -> None:
@@ -95,8 +99,7 @@ def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate=None
     if x.dim() != 2 or b.dim() != 2 or b.shape[0] != x.shape[1]:
         raise ValueError(f"{OP}: `x` must be [M, K] and `b` [K, N]; got x {_describe(x)}, b {_describe(b)}")
     check_out_dtype(OP, out_dtype)
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (divisor, floor))
-    if not (numbers and divisor > 0 and floor >= 0):
+    if not valid_recipe(divisor, floor):
         raise ValueError(f"{OP}: `divisor` must be > 0 and `floor` >= 0; got {divisor!r}, {floor!r}")
     if not (floor_first is None or isinstance(floor_first, bool)):
         raise ValueError(f"{OP}: `floor_first` must be None, True or False; got {floor_first!r}")

@@ -46,6 +46,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
+from ..kernels.launch import floors_first
+from ..ops.dynamic import valid_recipe
 from .graph import VIEW_OPS, Inserter, aten, cast_dtype, is_call, peel_views, schema_args, tensor_val
 
 fusepass = torch.ops.fusepass
@@ -70,10 +72,6 @@ def _abs_of(node):
     return node.args[0] if is_call(node.args[0], aten.abs.default) else None
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _scale(s):
     """(abs(x), D, F, floor_first) where ``s`` is ``clamp_min(amax(abs(x)) / D, F)`` or
     (``floor_first``) ``clamp_min(amax(abs(x)), F) / D``, with D > 0 and F >= 0 (what the op
@@ -85,7 +83,7 @@ def _scale(s):
     else:
         return None
     divisor, floor = div.args[1], clamp.args[1]
-    if not (_number(divisor) and divisor > 0 and _number(floor) and floor >= 0):
+    if not valid_recipe(divisor, floor):
         return None
     abs_ = _abs_of(s.args[0].args[0])
     return None if abs_ is None else (abs_, float(divisor), float(floor), floor_first)
@@ -196,7 +194,7 @@ def quantize_in_gemv(graph: fx.Graph) -> list[str]:
             g, u = (t if tensor_val(t).shape == tensor_val(x).shape else
                     ins.call(aten.reshape.default, t, list(tensor_val(x).shape)) for t in gated)
             args = [u, b, scale_b, out_dtype, bias, divisor, floor, g]
-        if floor_first != (tensor_val(a).dtype == torch.float8_e4m3fn):  # (not the dtype's own recipe)
+        if floor_first != floors_first(tensor_val(a).dtype):  # (not the dtype's own recipe)
             args += [None] * (8 - len(args)) + [floor_first]
         new = ins.call(fusepass.scaled_mm_dynamic.default, *args)
         new.meta["stack_trace"] = node.meta.get("stack_trace")
