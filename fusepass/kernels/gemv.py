@@ -42,6 +42,14 @@ def _rounded(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _load(ptrs, in_k, EVEN_K: tl.constexpr):
+    """``ptrs``' values; unless EVEN_K, zeros where not ``in_k``."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=in_k, other=0.0)
+
+
+@triton.jit
 def _row_block(
     a_ptr, g_ptr, offs_k, K, stride_ak,  # the row (1, K) and, where GATED, its gate (1, K): one stride
     EVEN_K: tl.constexpr, GATED: tl.constexpr,
@@ -50,15 +58,9 @@ def _row_block(
     ``silu(g) * a`` computed as a ``transformers`` MLP's traced graph does it (``x / (1 + exp(-x))``
     in fp32, each op's result rounded to ``a``'s dtype as eager rounds it)."""
     offs = offs_k.to(tl.int64) * stride_ak
-    if EVEN_K:
-        x = tl.load(a_ptr + offs)
-    else:
-        x = tl.load(a_ptr + offs, mask=offs_k < K, other=0.0)
+    x = _load(a_ptr + offs, offs_k < K, EVEN_K)
     if GATED:
-        if EVEN_K:
-            g = tl.load(g_ptr + offs).to(tl.float32)
-        else:
-            g = tl.load(g_ptr + offs, mask=offs_k < K, other=0.0).to(tl.float32)
+        g = _load(g_ptr + offs, offs_k < K, EVEN_K).to(tl.float32)
         silu = _rounded(g / (1.0 + tl.exp(-g)), a_ptr.dtype.element_ty)
         x = _rounded(silu * x.to(tl.float32), a_ptr.dtype.element_ty)
     return x
