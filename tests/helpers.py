@@ -167,6 +167,21 @@ def quantized_row_bound(x, s, b, scale_b, ref, bias=None) -> torch.Tensor:
     return s.flatten() * scale_b.float().abs().flatten() * steps + rounding
 
 
+def quantizing_launch_and_reference(x, b, scale_b, bias=None, gate=None):
+    """(out, ref, row, s): the M = 1 kernel quantizing the float row ``x`` (1, K) in its launch
+    (given ``gate``, the row ``silu(gate) * x``) to ``b``'s dtype, prepare's recipe; and
+    ``ref``, ``quantize_rows`` of that row (its float form ``row``, its scale ``s``) then the
+    M = 1 kernel. fp32 outputs, compared by ``quantized_row_bound``."""
+    from fusepass.kernels import configs, launch
+    from fusepass.ops.dynamic import quantize_rows
+    divisor, floor = DIVISOR[b.dtype], torch.finfo(torch.float32).eps
+    row = x if gate is None else torch.nn.functional.silu(gate) * x
+    q, s = quantize_rows(row, b.dtype, divisor, floor)
+    cfg = configs.gemv_config(b.shape[1], b.shape[0], configs.sm_count(x.device))
+    return (launch.launch_gemv_quantized(x, b, scale_b, torch.float32, bias, divisor, floor, gate=gate),
+            launch.launch_scaled_mm(q, b, s, scale_b, torch.float32, bias, config=cfg), row, s)
+
+
 def record_split_requests(monkeypatch, module, run, tensors) -> list:
     """``run(*tensors)`` eagerly and traced (fake, symbolic) with ``module``'s
     ``decode_splits``, ``select_config`` and ``bucket_choices`` recorded; M must not be 1

@@ -14,11 +14,9 @@ import torch
 
 import fusepass
 from fusepass.kernels import launch_scaled_mm
-from fusepass.kernels.configs import Config, gemv_config, sm_count
-from fusepass.kernels.launch import launch_gemv_quantized
+from fusepass.kernels.configs import Config, gemv_config
 from fusepass.kernels.group_launch import launch_scaled_mm_group
-from fusepass.ops.dynamic import quantize_rows
-from tests.helpers import assert_matches_oracle, make_problem, quantized_row_bound
+from tests.helpers import assert_matches_oracle, make_problem, quantized_row_bound, quantizing_launch_and_reference
 
 # M: every bucket and its edges (1100: the persistent kernel's buckets); N and K: below one
 # block, ragged, multiples of the blocks.
@@ -90,27 +88,19 @@ def path_cases() -> int:
             p.a, p.scale_a = a, scale_a
             assert_matches_oracle(out, p, torch.float32)
         n += 1
-    eps = torch.finfo(torch.float32).eps
-    for N, K in GEMV_NK:  # the row quantized to int8 in the kernel
+    for N, K in GEMV_NK:  # the row quantized to int8 in the kernel, then gated: silu(gate) * x
         p = make_problem(1, N, K, device="cuda", seed=n, bias_dtype=torch.bfloat16)
         x = torch.randn((1, K), device="cuda", generator=torch.Generator("cuda").manual_seed(n)).to(torch.bfloat16)
-        out = launch_gemv_quantized(x, p.b, p.scale_b, torch.float32, p.bias, 127.5, eps)
-        q, s = quantize_rows(x, torch.int8, 127.5, eps)
-        ref = launch_scaled_mm(q, p.b, s, p.scale_b, torch.float32, p.bias, config=gemv_config(N, K, sm_count(x.device)))
-        torch.cuda.synchronize()
-        assert ((out - ref).abs().flatten() <= quantized_row_bound(x, s, p.b, p.scale_b, ref, p.bias)).all(), (N, K)
-        n += 1
-        # ... and gated, silu(gate) * x: Triton's exp is not CUDA's, so a few values may round to a
-        # neighbour (a step of their weight each, as test_scaled_mm_dynamic's kernel test allows)
-        gate = torch.randn_like(x)
-        out = launch_gemv_quantized(x, p.b, p.scale_b, torch.float32, p.bias, 127.5, eps, gate=gate)
-        h = torch.nn.functional.silu(gate) * x
-        q, s = quantize_rows(h, torch.int8, 127.5, eps)
-        ref = launch_scaled_mm(q, p.b, s, p.scale_b, torch.float32, p.bias, config=gemv_config(N, K, sm_count(x.device)))
-        torch.cuda.synchronize()
-        few = s.flatten() * p.scale_b.float().abs().flatten() * p.b.abs().float().max(0).values * max(2, K // 100)
-        assert ((out - ref).abs().flatten() <= quantized_row_bound(h, s, p.b, p.scale_b, ref, p.bias) + few).all(), (N, K)
-        n += 1
+        for gate in (None, torch.randn_like(x)):
+            out, ref, row, s = quantizing_launch_and_reference(x, p.b, p.scale_b, p.bias, gate)
+            torch.cuda.synchronize()
+            # gated: Triton's exp is not CUDA's, so a few values may round to a neighbour (a step
+            # of their weight each, as test_scaled_mm_dynamic's kernel test allows)
+            few = 0 if gate is None else \
+                s.flatten() * p.scale_b.float().abs().flatten() * p.b.abs().float().max(0).values * max(2, K // 100)
+            assert ((out - ref).abs().flatten() <= quantized_row_bound(row, s, p.b, p.scale_b, ref, p.bias) + few).all(), \
+                (N, K, gate is not None)
+            n += 1
     return n
 
 

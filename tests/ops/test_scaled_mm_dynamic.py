@@ -8,10 +8,9 @@ import torch
 import fusepass
 from fusepass.integrations.linear import SCALE_EPS, Act
 from fusepass.integrations.linear import quantize_rows as module_rows
-from fusepass.kernels import configs, launch
-from fusepass.kernels.configs import gemv_config
+from fusepass.kernels import launch
 from fusepass.ops.dynamic import quantize_rows, scaled_mm_dynamic
-from tests.helpers import DIVISOR, quantized_row_bound
+from tests.helpers import DIVISOR, quantized_row_bound, quantizing_launch_and_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 I8, F8, BF16 = torch.int8, torch.float8_e4m3fn, torch.bfloat16
@@ -34,13 +33,6 @@ def test_the_quantization_is_a_prepared_modules(kind, dtype):
     assert torch.equal(q.view(torch.int8), mq.view(torch.int8)) and torch.equal(s, ms)
 
 
-def _then_the_kernel(x, q, s, b, sb, bias):
-    """(the quantizing kernel's output, the M = 1 kernel's on ``q`` and ``s``), fp32 out."""
-    cfg = gemv_config(b.shape[1], b.shape[0], configs.sm_count(x.device))
-    return (launch.launch_gemv_quantized(x, b, sb, torch.float32, bias, DIVISOR[b.dtype], SCALE_EPS),
-            launch.launch_scaled_mm(q, b, s, sb, torch.float32, bias, config=cfg))
-
-
 def test_the_m1_kernel_rounds_half_to_even_and_clamps_as_torch():
     """A row whose scale is exactly 1 (amax 127.5): ties both ways, -0.0, both clamp ends."""
     values = [127.5, -127.5, 0.5, -0.5, 1.5, 2.5, -2.5, 3.5, -3.5, -0.0, 126.49, -1.25]
@@ -48,8 +40,8 @@ def test_the_m1_kernel_rounds_half_to_even_and_clamps_as_torch():
     _, b, sb, bias = _problem(40, 33, I8)
     q = torch.tensor([127, -128, 0, 0, 2, 2, -2, 4, -4, 0, 126, -1] + [0] * 21, dtype=I8, device=DEVICE)[None]
     assert torch.equal(quantize_rows(x, I8, 127.5, SCALE_EPS)[0], q)
-    out, ref = _then_the_kernel(x, q, torch.ones(1, 1, device=DEVICE), b, sb, bias)
-    assert torch.equal(out, ref)
+    out, ref, _, s = quantizing_launch_and_reference(x, b, sb, bias)
+    assert s.item() == 1.0 and torch.equal(out, ref)
 
 
 def test_the_m1_kernel_rounds_to_e4m3_as_torch():
@@ -63,7 +55,7 @@ def test_the_m1_kernel_rounds_to_e4m3_as_torch():
     q, s = quantize_rows(x, F8, 448.0, SCALE_EPS)
     assert s.item() == 1.0 and q.float().flatten()[:11].tolist() == [448.0, -448.0, 1.0, 1.25, -1.25, 256.0, 0.0,
                                                                         2.0**-8, 2.0**-6, 2.0**-6, 128.0]
-    out, ref = _then_the_kernel(x, q, s, b, sb, bias)
+    out, ref, _, _ = quantizing_launch_and_reference(x, b, sb, bias)
     assert torch.equal(out, ref)
 
 
@@ -74,8 +66,7 @@ def test_the_m1_kernel_quantizing_its_row_is_the_quantization_then_the_kernel(N,
     """Its scale's division is IEEE fp32's, the reference's the device's own: a value may land
     one step apart where ``x / s`` sits at a tie of the two roundings (policy: a step's share)."""
     x, b, sb, bias = _problem(N, K, dtype, x_dtype, scale)
-    q, s = quantize_rows(x, dtype, DIVISOR[dtype], SCALE_EPS)
-    out, ref = _then_the_kernel(x, q, s, b, sb, bias)
+    out, ref, _, s = quantizing_launch_and_reference(x, b, sb, bias)
     assert ((out - ref).abs().flatten() <= quantized_row_bound(x, s, b, sb, ref, bias)).all()
 
 
