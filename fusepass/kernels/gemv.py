@@ -116,6 +116,27 @@ def _quantized(x, x_scale, FP8: tl.constexpr):
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _packed(x, BLOCK_K: tl.constexpr):
+    """A block (BLOCK_K,) of int8 values (held in any integer or exact float dtype) as
+    (BLOCK_K // 4,) int32 words of 4 bytes, the lowest first: ``x.view(torch.int32)``'s words."""
+    bytes_ = tl.reshape(x.to(tl.int32) & 0xFF, (BLOCK_K // 4, 4))
+    return tl.reduce(bytes_ << (tl.arange(0, 4) * 8)[None, :], 1, _or)
+
+
+@triton.jit
+def _dp4a(w, x, acc):
+    """``acc`` plus the dot product of ``w``'s and ``x``'s 4 signed bytes, word by word: PTX's
+    ``dp4a``, one instruction for 4 products (none in Triton's interpreter)."""
+    return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [w, x, acc],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
 def gemv_rows(
     pid_n,  # this program's block of BLOCK_N rows of b.T
     a_ptr, b_ptr,  # (1, K), (K, N) with unit stride along K
@@ -125,6 +146,7 @@ def gemv_rows(
     x_scale,  # QUANT: the float row's scale (row_scale); else unused
     QUANT: tl.constexpr,  # a is a float row, quantized here to b's dtype (else of b's dtype)
     g_ptr, GATED: tl.constexpr,  # QUANT: the row is silu(g) * a (_row_block); else None, False
+    DP4A: tl.constexpr = False,  # int8, EVEN_K, rows 4-byte aligned: b read as int32 words, dp4a
 ):
     """The main loop: (acc (BLOCK_N,) of a @ b's columns, their indices cols (BLOCK_N,),
     offs_n: cols with ragged ones read as column 0). Also ``group.py``'s, at M = 1."""
@@ -134,19 +156,30 @@ def gemv_rows(
     is_int8: tl.constexpr = b_ptr.dtype.element_ty == tl.int8
     acc_dtype: tl.constexpr = tl.int32 if is_int8 else tl.float32
     acc = tl.zeros((BLOCK_N,), dtype=acc_dtype)
+    if DP4A:
+        words = row_starts.to(tl.pointer_type(tl.int32))  # (BLOCK_N,): the rows as 4-byte words
+        acc4 = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.int32)
     # The addresses are computed afresh each block, as offsets known to be contiguous and
     # BLOCK_K-aligned (16-byte vector loads).
     for kb in range(tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
-        if EVEN_K:
+        if DP4A:
+            offs_w = kb * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)  # (BLOCK_K // 4,)
+            w = tl.load(words[:, None] + offs_w[None, :])  # (BLOCK_N, BLOCK_K // 4)
+        elif EVEN_K:
             w = tl.load(row_starts[:, None] + offs_k[None, :])  # (BLOCK_N, BLOCK_K)
         else:
             # other=0.0: the interpreter needs a float fill for fp8 (cast to int8 for int8).
             w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
         x = _row_block(a_ptr, g_ptr, offs_k, K, stride_ak, EVEN_K, GATED)
         if QUANT:
-            x = _quantized(x, x_scale, b_ptr.dtype.element_ty != tl.int8)
-        acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
+            x = _quantized(x, x_scale, not is_int8)
+        if DP4A:
+            acc4 = _dp4a(w, tl.broadcast_to(_packed(x, BLOCK_K)[None, :], (BLOCK_N, BLOCK_K // 4)), acc4)
+        else:
+            acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
+    if DP4A:
+        acc = tl.sum(acc4, axis=1)
     return acc, cols, offs_n
 
 
@@ -172,12 +205,13 @@ def scaled_gemv_kernel(
     DIVISOR: tl.constexpr = 1.0, FLOOR: tl.constexpr = 0.0,
     GATED: tl.constexpr = False,  # QUANT's row is silu(g) * a (a Llama MLP's down_proj input)
     FLOOR_FIRST: tl.constexpr = False,  # QUANT's scale: max(amax, FLOOR) / DIVISOR (row_scale)
+    DP4A: tl.constexpr = False,  # gemv_rows' DP4A
 ):
     x_scale = 1.0
     if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
         x_scale = row_scale(a_ptr, g_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED, FLOOR_FIRST)
     acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
-                                  BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT, g_ptr, GATED)
+                                  BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT, g_ptr, GATED, DP4A)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
     if QUANT:  # the row's scale in a register, then the epilogue's other steps, in its order

@@ -38,10 +38,11 @@ def _member_tile(
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     GEMV: tl.constexpr,  # M = 1, b's columns contiguous along K: gemv.py's main loop
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    DP4A: tl.constexpr,  # GEMV: gemv_rows' DP4A
 ):
     if GEMV:  # (BLOCK_N rows of b.T; BLOCK_M is 1)
         acc, cols, offs_n = gemv_rows(pid_n, a_ptr, b_ptr, N, K, stride_ak, stride_bn, BLOCK_N, BLOCK_K, EVEN_K,
-                                      1.0, False, None, False)
+                                      1.0, False, None, False, DP4A)
         rows = tl.zeros((1,), dtype=tl.int64)
         x = _epilogue(acc[None, :], rows, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
                       SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)
@@ -87,6 +88,7 @@ def scaled_mm_group_kernel(
     GEMV: tl.constexpr,  # M = 1 with b's columns contiguous along K: rows of b.T (gemv.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    DP4A: tl.constexpr = False,  # GEMV, int8, EVEN_K, every member's rows 4-byte aligned (launch.dp4a_rows)
 ):
     # Tile t of the members' column tiles, laid end to end; M's tiles of one column tile
     # are neighbours, so they read that slice of the weight while it is in L2.
@@ -99,17 +101,17 @@ def scaled_mm_group_kernel(
     if t < end0:
         _member_tile(pid_m, t, a_ptr, b0_ptr, out0_ptr, scale_a_ptr, scale_b0_ptr, bias0_ptr,
                      M, N0, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DP4A)
     elif t < end1:
         _member_tile(pid_m, t - end0, a_ptr, b1_ptr, out1_ptr, scale_a_ptr, scale_b1_ptr, bias1_ptr,
                      M, N1, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DP4A)
     elif MEMBERS >= 3:
         if t < end2:
             _member_tile(pid_m, t - end1, a_ptr, b2_ptr, out2_ptr, scale_a_ptr, scale_b2_ptr, bias2_ptr,
                          M, N2, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DP4A)
         elif MEMBERS >= 4:
             _member_tile(pid_m, t - end2, a_ptr, b3_ptr, out3_ptr, scale_a_ptr, scale_b3_ptr, bias3_ptr,
                          M, N3, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DP4A)

@@ -18,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .configs import Config, cdiv, fit, gemv_config, gemv_fills, select_config, sm_count
 from .direct import launcher
 from .group import scaled_mm_group_kernel
-from .launch import INTERPRETED, _flat, _per_element, _traced, gemv_allowed, on_device
+from .launch import INTERPRETED, _flat, _per_element, _traced, dp4a_rows, gemv_allowed, on_device
 
 MAX_MEMBERS = 4  # the kernel's member arguments
 
@@ -78,6 +78,7 @@ def launch_scaled_mm_group(
     biases = [_flat(b, fake) for b in biases]
     pad = [None] * (MAX_MEMBERS - len(bs))
     grid = (cdiv(M, cfg.block_m) * sum(cdiv(N, cfg.block_n) for N in Ns),)
+    even_k = statically_known_true(K % cfg.block_k == 0)
 
     def launch():
         launcher(scaled_mm_group_kernel, fake)[grid](
@@ -96,7 +97,8 @@ def launch_scaled_mm_group(
             MEMBERS=len(bs),
             GEMV=cfg.gemv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            EVEN_K=statically_known_true(K % cfg.block_k == 0),
+            EVEN_K=even_k,
+            DP4A=cfg.gemv and all(dp4a_rows(b, even_k, fake) for b in bs),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return outs

@@ -6,10 +6,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusepass.kernels import configs, launch, launch_scaled_mm
 from fusepass.kernels.configs import GEMV, Config, gemv_config
-from fusepass.kernels.gemv import scaled_gemv_kernel
+from fusepass.kernels.gemv import _packed, scaled_gemv_kernel
 from fusepass.kernels.scaled_mm import scaled_mm_kernel
 from tests.helpers import assert_matches_oracle, make_problem
 from tests.kernels.test_plan import FLAGS, _operands
@@ -58,10 +61,46 @@ def test_gemv_reads_any_strides_of_a_and_rows_of_a_wider_weight():
     assert_matches_oracle(_run(p, torch.float32, gemv_config(40, 700, configs.DEFAULT_SMS)), p, torch.float32)
 
 
-def test_gemv_int32_accumulator_is_exact():
-    p = make_problem(1, 40, 3000, device=DEVICE)
-    out = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=gemv_config(40, 3000, configs.DEFAULT_SMS))
+@pytest.mark.parametrize("K", [3000, 4096])  # (a ragged block; whole blocks: dp4a where compiled)
+def test_gemv_int32_accumulator_is_exact(K):
+    p = make_problem(1, 40, K, device=DEVICE)
+    out = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=gemv_config(40, K, configs.DEFAULT_SMS))
     assert torch.equal(out.cpu(), (p.a.double() @ p.b.double()).to(torch.int32).cpu())
+
+
+@triton.jit
+def _pack_kernel(x_ptr, out_ptr, BLOCK_K: tl.constexpr, AS_FLOAT: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, BLOCK_K))
+    if AS_FLOAT:  # (a quantized row's values, held in fp32)
+        x = x.to(tl.float32)
+    tl.store(out_ptr + tl.arange(0, BLOCK_K // 4), _packed(x, BLOCK_K))
+
+
+@pytest.mark.parametrize("as_float", [False, True])
+def test_packed_words_are_the_bytes_as_int32(as_float):
+    x = torch.tensor([-128, -1, 0, 1, 127, -127, 64, -64] * 8, dtype=torch.int8, device=DEVICE)
+    out = torch.empty(len(x) // 4, dtype=torch.int32, device=DEVICE)
+    _pack_kernel[(1,)](x, out, BLOCK_K=len(x), AS_FLOAT=as_float)
+    assert torch.equal(out.cpu(), x.cpu().view(torch.int32))
+
+
+def test_dp4a_reads_int8_rows_as_words_where_whole_and_aligned(monkeypatch):
+    """gemv.py's DP4A: compiled code only; int8, whole blocks, every row on a 4-byte boundary
+    (a real tensor's address, a traced one's storage offset)."""
+    monkeypatch.setattr(launch, "INTERPRETED", False)
+    buf = torch.zeros(64 * 4098 + 1, dtype=torch.int8)
+    w = buf[:64 * 4096].view(64, 4096)
+    assert launch.dp4a_rows(w.t(), True, fake=False)
+    assert not launch.dp4a_rows(w.t(), False, fake=False)  # a ragged last block
+    assert not launch.dp4a_rows(buf[1:1 + 64 * 4096].view(64, 4096).t(), True, fake=False)  # odd addresses
+    assert not launch.dp4a_rows(buf[:64 * 4098].view(64, 4098)[:, :4096].t(), True, fake=False)  # row stride 4098
+    assert not launch.dp4a_rows(w.t().view(torch.float8_e4m3fn), True, fake=False)
+    with FakeTensorMode():
+        fake = torch.empty(64 * 4096 + 1, dtype=torch.int8)
+        assert launch.dp4a_rows(fake[:64 * 4096].view(64, 4096).t(), True, fake=True)
+        assert not launch.dp4a_rows(fake[1:].view(64, 4096).t(), True, fake=True)
+    monkeypatch.setattr(launch, "INTERPRETED", True)
+    assert not launch.dp4a_rows(w.t(), True, fake=False)
 
 
 def test_one_row_with_a_weight_as_stored_takes_the_gemv(sm90):
@@ -69,7 +108,8 @@ def test_one_row_with_a_weight_as_stored_takes_the_gemv(sm90):
     p = launch.plan(gemv_config(4096, 14336, 132), FLAGS, a, b, out, fake=True)
     assert p.kernel is scaled_gemv_kernel and p.gemv and p.grid == (4096 // 4,) and p.split_k == 1
     assert p.constexprs == {**FLAGS, "QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, "GATED": False, "FLOOR_FIRST": False,
-                            "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True, "num_warps": 4, "num_stages": 3}
+                            "DP4A": not launch.INTERPRETED, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True,
+                            "num_warps": 4, "num_stages": 3}
 
 
 def test_the_launch_picks_the_gemv_for_one_row_of_a_wide_weight_as_stored(monkeypatch):
