@@ -177,7 +177,7 @@ def quantizing_launch_and_reference(x, b, scale_b, bias=None, gate=None):
     divisor, floor = DIVISOR[b.dtype], torch.finfo(torch.float32).eps
     row = x if gate is None else torch.nn.functional.silu(gate) * x
     q, s = quantize_rows(row, b.dtype, divisor, floor)
-    cfg = configs.gemv_config(b.shape[1], b.shape[0], configs.sm_count(x.device))
+    cfg = configs.gemv_config(b.shape[1], b.shape[0], configs.sm_count(x.device), b.dtype)
     return (launch.launch_gemv_quantized(x, b, scale_b, torch.float32, bias, divisor, floor, gate=gate),
             launch.launch_scaled_mm(q, b, s, scale_b, torch.float32, bias, config=cfg), row, s)
 

@@ -193,26 +193,35 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
 # (``gemv_fills``).
 GEMV = Config(block_m=1, block_n=8, block_k=2048, num_warps=4, num_stages=3, gemv=True)
 GEMV_PROGRAMS_PER_SM = 4
+# int8 rows summed by dp4a (gemv.py's DP4A) read 512 bytes a block where a program takes 8:
+# H200, 16 weight copies past L2, in turns: q/k/v 8.34 us against 8.59 at 2048 bytes, gate/up
+# 29.85 against 31.00 (4-row shapes: 2048 stays, o 6.59, down 15.84); fp8 keeps 2048 (q/k/v
+# 9.27 against 10.08 at 512, gate/up 31.24 against 33.09; NOTES.md run 28).
+GEMV_INT8_WIDE_BLOCK_K = 512
 
 
 @functools.cache  # on the eager launch path: 5 us uncached
-def gemv_config(N: int, K: int, sms: int) -> Config:
-    """The M = 1 kernel's config for an (N, K) weight on a GPU of ``sms`` SMs: GEMV's rows a
-    program, half as many where that leaves fewer than GEMV_PROGRAMS_PER_SM programs a SM; a
-    short K reads one shorter block."""
-    rows = GEMV.block_n if cdiv(N, GEMV.block_n) >= GEMV_PROGRAMS_PER_SM * sms else GEMV.block_n // 2
-    return replace(GEMV, block_n=rows, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
+def gemv_config(N: int, K: int, sms: int, dtype: torch.dtype = torch.int8) -> Config:
+    """The M = 1 kernel's config for an (N, K) weight of ``dtype`` on a GPU of ``sms`` SMs:
+    GEMV's rows a program, half as many where that leaves fewer than GEMV_PROGRAMS_PER_SM
+    programs a SM; int8 at GEMV's rows reads GEMV_INT8_WIDE_BLOCK_K bytes a block; a short K
+    reads one shorter block."""
+    wide = cdiv(N, GEMV.block_n) >= GEMV_PROGRAMS_PER_SM * sms
+    block_k = GEMV_INT8_WIDE_BLOCK_K if wide and dtype == torch.int8 else GEMV.block_k
+    return replace(GEMV, block_n=GEMV.block_n if wide else GEMV.block_n // 2,
+                   block_k=min(block_k, triton.next_power_of_2(K)))
 
 
 @functools.cache  # on the eager launch path
 def gemv_gated_config(N: int, K: int, sms: int) -> Config:
     """The M = 1 kernel's config where it also gates its row (``gemv.py``'s GATED): 16 rows a
-    program (where the kernel runs, ``gemv_fills``, that is at least a program a SM). Each
-    program reads the row and its gate twice and computes the SiLU, so fewer programs do less
-    of it: H200, int8, Llama-3-8B's down_proj (4096 x 14336), ``do_bench`` medians, 4 / 8 / 16 /
-    32 rows: 56.4 / 37.5 / 34.8 / 50.5 us, against 26.6 on a quantized row (o_proj's 4096 x
-    4096: 20.8 / 14.8 / 14.5 / 20.4; ``benchmarks/NOTES.md`` run 27)."""
-    return replace(gemv_config(N, K, sms), block_n=16)
+    program of GEMV's bytes (where the kernel runs, ``gemv_fills``, that is at least a program a
+    SM). Each program reads the row and its gate twice and computes the SiLU, so fewer programs
+    do less of it: H200, int8, Llama-3-8B's down_proj (4096 x 14336), ``do_bench`` medians, 4 / 8
+    / 16 / 32 rows: 56.4 / 37.5 / 34.8 / 50.5 us, against 26.6 on a quantized row (o_proj's 4096
+    x 4096: 20.8 / 14.8 / 14.5 / 20.4; ``benchmarks/NOTES.md`` run 27); with dp4a, 16 rows of
+    2048 bytes 23.26 us, of 512 32.72 (run 28)."""
+    return replace(GEMV, block_n=16, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
 
 
 def gemv_fills(N: int, device) -> bool:

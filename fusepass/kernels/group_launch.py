@@ -43,7 +43,7 @@ def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device, *, k_cont
     """The tuned config of (M, sum(Ns), K), unsplit, pointer loads, fitted to the widest member;
     ``gemv_config``'s for the joined width where the group ``takes_gemv``."""
     if takes_gemv(M, Ns, k_contiguous, device):
-        return gemv_config(sum(Ns), K, sm_count(device))
+        return gemv_config(sum(Ns), K, sm_count(device), dtype)
     cfg = select_config(M, sum(Ns), K, dtype, device, split_decode=False)
     return fit(replace(cfg, split_k=1, tma=False), max(Ns), K)
 

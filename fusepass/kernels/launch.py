@@ -448,7 +448,8 @@ def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tenso
     flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=_per_element(scale_b), HAS_BIAS=bias is not None,
                  AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor), GATED=gate is not None,
                  FLOOR_FIRST=floors_first(b.dtype, floor_first))
-    cfg = (gemv_config if gate is None else gemv_gated_config)(int(b.shape[1]), int(x.shape[1]), sm_count(x.device))
+    N, K, sms = int(b.shape[1]), int(x.shape[1]), sm_count(x.device)
+    cfg = gemv_config(N, K, sms, b.dtype) if gate is None else gemv_gated_config(N, K, sms)
     return on_device(x, fake, lambda: _run(cfg, flags, out_dtype, x, b, None, scale_b, bias, None, None, gate))
 
 
@@ -495,7 +496,7 @@ def launch_scaled_mm(
         # M = 1 only here: Dynamo specializes sizes 0 and 1, so a traced M = 1 is static (an
         # unbacked or exported M that is 1 at run time takes the tiles of its bucket)
         if gemv_allowed(a, b) and gemv_fills(int(N), a.device):
-            config = gemv_config(int(N), int(K), sm_count(a.device))
+            config = gemv_config(int(N), int(K), sm_count(a.device), b.dtype)
         else:
             config = select_config(int(M), int(N), int(K), a.dtype, a.device, azp_adj is not None, split)
     # cond takes tensors only: the None arguments stay in the closure, by position.

@@ -128,16 +128,22 @@ def test_the_launch_picks_the_gemv_for_one_row_of_a_wide_weight_as_stored(monkey
 
 
 def test_a_gemv_config_takes_half_the_rows_below_four_programs_a_sm_and_a_short_k_one_shorter_block():
-    assert configs.GEMV_PROGRAMS_PER_SM == 4 and GEMV.block_n == 8
-    assert gemv_config(6144, 4096, 132) == GEMV  # 768 programs of 8 rows: 5.8 a SM
-    assert gemv_config(4224, 4096, 132) == GEMV  # 528: 4 a SM
+    """And int8 at 8 rows (dp4a) reads 512 bytes a block, fp8 GEMV's 2048."""
+    assert configs.GEMV_PROGRAMS_PER_SM == 4 and GEMV.block_n == 8 and GEMV.block_k == 2048
+    int8_wide = replace(GEMV, block_k=configs.GEMV_INT8_WIDE_BLOCK_K)
+    assert configs.GEMV_INT8_WIDE_BLOCK_K == 512
+    assert gemv_config(6144, 4096, 132) == int8_wide  # 768 programs of 8 rows: 5.8 a SM
+    assert gemv_config(6144, 4096, 132, torch.float8_e4m3fn) == GEMV
+    assert gemv_config(4224, 4096, 132) == int8_wide  # 528: 4 a SM
     assert gemv_config(4216, 4096, 132) == replace(GEMV, block_n=4)  # 527
+    assert gemv_config(4216, 4096, 132, torch.float8_e4m3fn) == replace(GEMV, block_n=4)
     assert gemv_config(28672, 100, 132) == Config(1, 8, 128, num_warps=4, num_stages=3, gemv=True)
 
 
 def test_a_gated_row_takes_16_rows_a_program_at_least_one_a_sm_where_the_kernel_runs():
     assert configs.gemv_gated_config(4096, 14336, 132) == replace(GEMV, block_n=16)  # 256 programs
-    assert configs.gemv_gated_config(4096, 100, 132) == replace(gemv_config(4096, 100, 132), block_n=16)
+    assert configs.gemv_gated_config(4096, 100, 132) == replace(GEMV, block_n=16, block_k=128)
+    assert configs.gemv_gated_config(28672, 4096, 132) == replace(GEMV, block_n=16)  # (GEMV's bytes at any width)
     # (the kernel runs from 2 programs of 8 rows a SM: at least 132 of 16 rows)
     assert configs.DECODE_PROGRAMS_PER_SM * GEMV.block_n == 16
     assert configs.gemv_gated_config(2096, 14336, 132).block_n == 16  # 131 programs
