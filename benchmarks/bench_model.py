@@ -28,7 +28,10 @@ their decode caches fit in memory together; else one variant after another):
 - ``kernel_ms`` and ``kernels``: the GPU kernels' time and count per call (``torch.profiler``,
   over 5 calls), and ``gap_ms`` = ``step_ms - kernel_ms``: the time the GPU waits on the host
   (``--profile-steps DIR``: what the host does in 5 steps, by cProfile, and the kernels by
-  name, in DIR).
+  name, in DIR);
+- ``gemm_ms``: of it, fusepass's GEMM kernels (``FUSED_GEMMS``), and at decode ``gemm_TBps``:
+  the decoder's linear weights (1 byte each; lm_head apart) over that time, the read rate that
+  issue 35's bandwidth target asks of a step's GEMMs.
 
 Each run appends its rows to ``--out`` (one JSON list, a ``run`` id per process), so a full table
 can be built over several calls; ratios are only ever taken within one run (one process).
@@ -54,6 +57,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fusepass  # noqa: E402
 from fusepass.demo import models  # noqa: E402
+from fusepass.kernels import blockwise, gemv, group, persistent, scaled_mm  # noqa: E402
+
+# fusepass's GEMM kernels, by the names their launches carry in a profile
+FUSED_GEMMS = tuple(k.fn.__name__ for k in (gemv.scaled_gemv_kernel, scaled_mm.scaled_mm_kernel,
+                                            persistent.scaled_mm_persistent_kernel, group.scaled_mm_group_kernel,
+                                            blockwise.blockwise_mm_kernel))
 
 FULL = models.Sizes(32, 4096, 14336, 32, 8, 128256)  # Llama-3-8B
 # name: (quantization, quantizer, backend, prepare)
@@ -225,19 +234,32 @@ def _steps(call, graphs: bool, calls: int) -> None:
         torch.cuda.synchronize()
 
 
-def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> tuple[float, float]:
-    """(GPU kernel ms, kernels) per call, over ``calls`` calls; ``table``: a path to write
-    ``kernel_table`` there."""
+def _profiled(call, graphs: bool, calls: int = 5, table: str | None = None) -> tuple[float, float, float]:
+    """(GPU kernel ms, kernels, ``fused_gemm_ms``) per call, over ``calls`` calls; ``table``: a
+    path to write ``kernel_table`` there."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _steps(call, graphs, calls)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
     if table:
         with open(table, "w") as f:
-            f.write(kernel_table([(e.name, e.time_range.start, e.time_range.end) for e in kernels], calls))
-    return sum(e.device_time for e in kernels) / 1e3 / calls, len(kernels) / calls
+            f.write(kernel_table(spans, calls))
+    return sum(e.device_time for e in kernels) / 1e3 / calls, len(kernels) / calls, fused_gemm_ms(spans, calls)
+
+
+def fused_gemm_ms(kernels: list[tuple[str, float, float]], calls: int) -> float:
+    """ms a call of the kernels ``(name, start us, end us)`` that are fusepass's GEMMs (``FUSED_GEMMS``)."""
+    return sum(end - start for name, start, end in kernels if name.startswith(FUSED_GEMMS)) / 1e3 / calls
+
+
+def linear_weights(config) -> int:
+    """Elements of a Llama's decoder linear weights (q, k, v, o, gate, up, down; lm_head apart)."""
+    h, d = config.hidden_size, models.head_dim(config)
+    per_layer = 2 * h * config.num_attention_heads * d + 2 * h * config.num_key_value_heads * d
+    return config.num_hidden_layers * (per_layer + 3 * h * config.intermediate_size)
 
 
 def kernel_table(kernels: list[tuple[str, float, float]], calls: int) -> str:
@@ -358,12 +380,16 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
             if not torch.cuda.is_available():
                 continue
             try:
-                kernel_ms, kernels = _profiled(call, graphs, table=steps and steps + "-kernels.txt")
+                kernel_ms, kernels, gemm_ms = _profiled(call, graphs, table=steps and steps + "-kernels.txt")
             except Exception as e:  # noqa: BLE001
                 row["error"] = _error(e)
                 continue
             row.update(kernel_ms=round(kernel_ms, 3), kernels=round(kernels, 1),
                        gap_ms=round(row["step_ms"] - kernel_ms, 3))
+            if gemm_ms > 0:
+                row["gemm_ms"] = round(gemm_ms, 3)
+                if step != "prefill":  # (decode reads each weight once a step; quantized: a byte each)
+                    row["gemm_TBps"] = round(linear_weights(built[row["variant"]].config) / gemm_ms / 1e9, 3)
     return [row for row, _ in started]
 
 
@@ -453,6 +479,8 @@ def _line(row: dict) -> str:
     if "error" in row:
         return row["error"]
     kernels = f" (kernels {row['kernel_ms']:.3f} ms, {row['kernels']:.0f}; gap {row['gap_ms']:.3f})" if "kernels" in row else ""
+    if "gemm_TBps" in row:
+        kernels += f", GEMMs {row['gemm_ms']:.3f} ms ({row['gemm_TBps']:.2f} TB/s)"
     return f"{row['step_ms']:.3f} ms{kernels}, compile {row['compile_s']} s"
 
 
@@ -478,23 +506,25 @@ def _name(row: dict) -> str:
 
 def report(rows: list[dict]) -> str:
     """A markdown table per depth: each cell's step ms and its ratio to bf16's in the same run
-    (same mode and step), GPU kernel ms, the gap, and the compile time."""
+    (same mode and step), GPU kernel ms, the gap, the compile time, and fusepass's GEMMs."""
     bf16 = {(r["run"], r["layers"], r["mode"], r["step"]): r["step_ms"] for r in rows
             if r["variant"] == "bf16" and "step_ms" in r}
     lines = []
     for depth in sorted({r["layers"] for r in rows}):
         lines += [f"\n{depth} layers ({', '.join(sorted({r['gpu'] for r in rows if r['layers'] == depth}))})",
-                  "| run | variant | mode | step | step ms | vs bf16 | kernel ms | kernels | gap ms | compile s |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| run | variant | mode | step | step ms | vs bf16 | kernel ms | kernels | gap ms | compile s "
+                  "| GEMM ms | GEMM TB/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in [r for r in rows if r["layers"] == depth]:
             if "error" in r:
-                lines.append(f"| {r['run']} | {_name(r)} | {r['mode']} | {r['step']} | fails: {r['error']} | | | | | |")
+                lines.append(f"| {r['run']} | {_name(r)} | {r['mode']} | {r['step']} | fails: {r['error']} | | | | | | | |")
                 continue
             base = bf16.get((r["run"], r["layers"], r["mode"], r["step"]))
             ratio = f"{base / r['step_ms']:.2f}x" if base and r["variant"] != "bf16" else ""
             gpu = [f"{r[k]:{f}}" if k in r else "" for k, f in (("kernel_ms", ".3f"), ("kernels", ".0f"), ("gap_ms", ".3f"))]
+            gemm = [f"{r[k]:{f}}" if k in r else "" for k, f in (("gemm_ms", ".3f"), ("gemm_TBps", ".2f"))]
             lines.append(f"| {r['run']} | {_name(r)} | {r['mode']} | {r['step']} | {r['step_ms']:.3f} | {ratio} | "
-                         f"{' | '.join(gpu)} | {r['compile_s']} |")
+                         f"{' | '.join(gpu)} | {r['compile_s']} | {' | '.join(gemm)} |")
     return "\n".join(lines).strip()
 
 

@@ -3,6 +3,7 @@ append across runs, the report takes ratios within one run, and bad flags are re
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -266,3 +267,44 @@ def test_measuring_filters_drop_one_kind_of_guard_under_the_modules():
                     "skip-module-values": [True, False, True, False, False, False, False, True],
                     "skip-duplicate-inputs": [True, True, False, True, True, True, True, True],
                     "skip-prepared-values": [True, False, True, True, False, True, True, True]}
+
+
+def test_the_fused_gemms_time_is_fusepass_kernels_by_name():
+    # two steps of: the M = 1 kernel [0, 10), an Inductor kernel, the grouped kernel [12, 20), cuBLAS
+    step = [("scaled_gemv_kernel", 0.0, 10.0), ("triton_red_fused_add_mean_0", 10.0, 12.0),
+            ("scaled_mm_group_kernel", 12.0, 20.0), ("nvjet_sm90_tst_256x8_64x6_2x1_v_bz_TNT", 20.0, 30.0)]
+    kernels = step + [(name, start + 40, end + 40) for name, start, end in step]
+    assert bench.fused_gemm_ms(kernels, calls=2) == pytest.approx(18e-3)
+    assert set(bench.FUSED_GEMMS) == {"scaled_gemv_kernel", "scaled_mm_kernel", "scaled_mm_persistent_kernel",
+                                      "scaled_mm_group_kernel", "blockwise_mm_kernel"}
+
+
+def test_linear_weights_are_the_decoders_linears_without_lm_head():
+    import torch
+
+    with models.quiet_imports():
+        model = models.random_llama(SMALL, 16, torch.device("cpu"), 0)
+    linears = sum(m.weight.numel() for name, m in model.named_modules()
+                  if isinstance(m, torch.nn.Linear) and name != "lm_head")
+    assert bench.linear_weights(model.config) == linears
+    full = copy.copy(model.config)
+    for name, value in dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                            num_hidden_layers=32, head_dim=128).items():
+        setattr(full, name, value)
+    assert bench.linear_weights(full) == 32 * 218_103_808  # Llama-3-8B: 218 MB a layer in int8
+
+
+def test_the_report_shows_the_gemms_read_rate():
+    row = {"run": "r", "gpu": "G", "layers": 32, "variant": "int8", "mode": "graphs", "step": "b1", "step_ms": 4.7,
+           "compile_s": 40.0, "kernel_ms": 3.6, "kernels": 550, "gap_ms": 1.1, "gemm_ms": 1.95, "gemm_TBps": 3.579}
+    line = next(line for line in bench.report([row]).splitlines() if "| int8 |" in line)
+    assert line.endswith("| 40.0 | 1.950 | 3.58 |"), line
+
+
+@pytest.mark.gpu
+def test_a_decode_cell_on_the_gpu_has_its_fused_gemms_time():
+    rows = bench.run([1], ["bf16", "int8"], ["graphs"], ["b1"], prefill=8, cache_len=32, calls=2, out=None,
+                     sizes=SMALL, log=lambda _: None)
+    bf16, int8 = rows
+    assert "gemm_ms" not in bf16 and "error" not in int8, rows  # (bf16's GEMMs are cuBLAS's)
+    assert 0 < int8["gemm_ms"] < int8["kernel_ms"] and int8["gemm_TBps"] > 0, int8
