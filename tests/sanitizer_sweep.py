@@ -59,7 +59,8 @@ def ops_cases() -> int:
     return n
 
 
-# The M = 1 kernel's too: K over several 2048-byte blocks, ragged.
+# The M = 1 kernel's too: K over several blocks, ragged (int8 rows of whole blocks, (129, 128) and (64, 256),
+# take dp4a where compiled).
 GEMV_NK = NK + [(100, 5000)]
 
 
@@ -69,7 +70,8 @@ def path_cases() -> int:
     returns the case count."""
     n = 0
     # (on one SM's count: 4 rows a program at N = 17, 8 at the other widths)
-    gemv = [(1, nk, gemv_config(*nk, 1), variant) for nk, variant in itertools.product(GEMV_NK, VARIANTS)]
+    gemv = [(1, nk, gemv_config(*nk, 1, variant.get("dtype", torch.int8)), variant)
+            for nk, variant in itertools.product(GEMV_NK, VARIANTS)]
     paths = [(M, nk, cfg, VARIANTS[i % len(VARIANTS)])
              for i, ((M, nk), cfg) in enumerate(itertools.product(itertools.product(MS, NK), PATHS))]
     for M, (N, K), cfg, variant in paths + gemv:
@@ -82,7 +84,7 @@ def path_cases() -> int:
         members = [make_problem(1, w, K, device="cuda", seed=n + i, **variant) for i, w in enumerate((N, 17, 24))]
         a, scale_a = members[0].a, members[0].scale_a
         outs = launch_scaled_mm_group(a, [p.b for p in members], scale_a, [p.scale_b for p in members],
-                                      torch.float32, [p.bias for p in members], config=gemv_config(N + 41, K, 1))
+                                      torch.float32, [p.bias for p in members], config=gemv_config(N + 41, K, 1, members[0].b.dtype))
         torch.cuda.synchronize()
         for out, p in zip(outs, members):
             p.a, p.scale_a = a, scale_a

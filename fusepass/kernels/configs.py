@@ -201,13 +201,15 @@ GEMV_INT8_WIDE_BLOCK_K = 512
 
 
 @functools.cache  # on the eager launch path: 5 us uncached
-def gemv_config(N: int, K: int, sms: int, dtype: torch.dtype = torch.int8) -> Config:
+def gemv_config(N: int, K: int, sms: int, dtype: torch.dtype) -> Config:
     """The M = 1 kernel's config for an (N, K) weight of ``dtype`` on a GPU of ``sms`` SMs:
     GEMV's rows a program, half as many where that leaves fewer than GEMV_PROGRAMS_PER_SM
-    programs a SM; int8 at GEMV's rows reads GEMV_INT8_WIDE_BLOCK_K bytes a block; a short K
-    reads one shorter block."""
+    programs a SM; int8 at GEMV's rows reads GEMV_INT8_WIDE_BLOCK_K bytes a block where they
+    divide K (dp4a takes whole blocks: 512 was measured with it); a short K reads one shorter
+    block."""
     wide = cdiv(N, GEMV.block_n) >= GEMV_PROGRAMS_PER_SM * sms
-    block_k = GEMV_INT8_WIDE_BLOCK_K if wide and dtype == torch.int8 else GEMV.block_k
+    words = wide and dtype == torch.int8 and K % GEMV_INT8_WIDE_BLOCK_K == 0
+    block_k = GEMV_INT8_WIDE_BLOCK_K if words else GEMV.block_k
     return replace(GEMV, block_n=GEMV.block_n if wide else GEMV.block_n // 2,
                    block_k=min(block_k, triton.next_power_of_2(K)))
 

@@ -158,12 +158,13 @@ def gemv_rows(
     row_starts = b_ptr + offs_n * stride_bn  # (BLOCK_N,): the rows of b.T
     is_int8: tl.constexpr = b_ptr.dtype.element_ty == tl.int8
     acc_dtype: tl.constexpr = tl.int32 if is_int8 else tl.float32
-    acc = tl.zeros((BLOCK_N,), dtype=acc_dtype)
     if DP4A:
         words = row_starts.to(tl.pointer_type(tl.int32))  # (BLOCK_N,): the rows as 4-byte words
         acc4 = tl.zeros((BLOCK_N, BLOCK_K // 4), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=acc_dtype)
     # The addresses are computed afresh each block, as offsets known to be contiguous and
-    # BLOCK_K-aligned (16-byte vector loads).
+    # BLOCK_K-aligned (16-byte vector loads where the rows' stride allows them).
     for kb in range(tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         if DP4A:

@@ -98,7 +98,7 @@ def launch_scaled_mm_group(
             GEMV=cfg.gemv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_K=even_k,
-            DP4A=cfg.gemv and all(dp4a_rows(b, even_k, fake) for b in bs),
+            DP4A=cfg.gemv and all(dp4a_rows(b, cfg.block_k, even_k, fake) for b in bs),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return outs

@@ -93,18 +93,20 @@ def gemv_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
             and is_concrete_int(a.shape[1]))
 
 
-def dp4a_rows(b: torch.Tensor, even_k: bool, fake: bool) -> bool:
+def dp4a_rows(b: torch.Tensor, block_k: int, even_k: bool, fake: bool) -> bool:
     """Whether the M = 1 kernel reads ``b``'s columns (rows of ``b.T``) as 4-byte words and
-    sums them with PTX's ``dp4a`` (``gemv.py``'s DP4A): int8, whole blocks (``even_k``), each row
-    starting on a 4-byte boundary (its stride and offset; a storage's base is aligned, and
-    Inductor copies an input that is not), compiled (the interpreter runs no PTX). H200,
-    Llama-3-8B's decode shapes at 2048 bytes a block, without and with: q/k/v 9.18 -> 8.59 us,
-    o 6.90 -> 6.59, gate/up 32.44 -> 31.00, down 17.06 -> 15.84, down gated 27.37 -> 23.26
+    sums them with PTX's ``dp4a`` (``gemv.py``'s DP4A): int8 on an NVIDIA GPU, compiled (the
+    interpreter runs no PTX), whole blocks of at least a word (``even_k``, ``block_k``), rows 4
+    bytes apart and the first on a 16-byte boundary: the alignment that an eager launch's
+    replay key (``ops/eager.py``) and Inductor's checks of its inputs hold a tensor to, so a
+    later call with a weight aligned less cannot reuse the launch. H200, Llama-3-8B's decode
+    shapes at 2048 bytes a block, without and with: q/k/v 9.18 -> 8.59 us, o 6.90 -> 6.59,
+    gate/up 32.44 -> 31.00, down 17.06 -> 15.84, down gated 27.37 -> 23.26
     (``benchmarks/NOTES.md`` run 28)."""
-    if INTERPRETED or b.dtype != torch.int8 or not even_k:
+    if INTERPRETED or torch.version.hip is not None or b.dtype != torch.int8 or not even_k or block_k < 4:
         return False
     offset = b.storage_offset() if fake else b.data_ptr()
-    return statically_known_true(b.stride(1) % 4 == 0) and statically_known_true(offset % 4 == 0)
+    return statically_known_true(b.stride(1) % 4 == 0) and statically_known_true(offset % 16 == 0)
 
 
 def _traced(t: torch.Tensor) -> bool:
@@ -285,7 +287,7 @@ def plan(cfg: Config, flags: dict, a: torch.Tensor, b: torch.Tensor, out: torch.
                              f"a {tuple(a.shape)}, b {tuple(b.shape)} with strides {b.stride()}, split_k {cfg.split_k}")
         return Plan(scaled_gemv_kernel, (cdiv(N, cfg.block_n),),
                     {"QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, "GATED": False, "FLOOR_FIRST": False,
-                     "DP4A": dp4a_rows(b, even_k, fake), **flags, **tiling, "EVEN_K": even_k})
+                     "DP4A": dp4a_rows(b, cfg.block_k, even_k, fake), **flags, **tiling, "EVEN_K": even_k})
     tma = cfg.tma and tma_allowed(a, b, fake)
     tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     tiling.update(BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m)

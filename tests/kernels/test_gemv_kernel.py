@@ -44,27 +44,28 @@ def test_gemv_matches_the_oracle(dtype, N, K, variant, rows, block_k):
     if dtype != torch.int8 and "azp" in VARIANTS[variant]:
         pytest.skip("zero points are int8's")
     p = make_problem(1, N, K, dtype, device=DEVICE, seed=variant, **VARIANTS[variant])
-    cfg = gemv_config(N, K, configs.DEFAULT_SMS)
+    cfg = gemv_config(N, K, configs.DEFAULT_SMS, dtype)
     out = _run(p, torch.bfloat16, replace(cfg, block_n=rows, block_k=min(cfg.block_k, block_k)))
     assert_matches_oracle(out, p, torch.bfloat16, extra_ulps=BF16_ULPS)
 
 
-def test_gemv_reads_any_strides_of_a_and_rows_of_a_wider_weight():
-    p = make_problem(1, 40, 700, device=DEVICE, bias_dtype=torch.float32)
-    wide = torch.zeros((40, 900), dtype=torch.int8, device=DEVICE)
-    wide[:, :700] = p.b.t()
-    p.b = wide[:, :700].t()  # rows 900 apart
-    spread = torch.zeros((1, 3 * 700), dtype=torch.int8, device=DEVICE)
+@pytest.mark.parametrize("K,wider", [(700, 900), (1024, 1224)])  # (1024: whole blocks, dp4a where compiled)
+def test_gemv_reads_any_strides_of_a_and_rows_of_a_wider_weight(K, wider):
+    p = make_problem(1, 40, K, device=DEVICE, bias_dtype=torch.float32)
+    wide = torch.zeros((40, wider), dtype=torch.int8, device=DEVICE)
+    wide[:, :K] = p.b.t()
+    p.b = wide[:, :K].t()  # rows `wider` apart
+    spread = torch.zeros((1, 3 * K), dtype=torch.int8, device=DEVICE)
     spread[:, ::3] = p.a
     p.a = spread[:, ::3]  # a.stride(1) == 3
-    assert p.b.stride() == (1, 900) and p.a.stride(1) == 3
-    assert_matches_oracle(_run(p, torch.float32, gemv_config(40, 700, configs.DEFAULT_SMS)), p, torch.float32)
+    assert p.b.stride() == (1, wider) and p.a.stride(1) == 3
+    assert_matches_oracle(_run(p, torch.float32, gemv_config(40, K, configs.DEFAULT_SMS, torch.int8)), p, torch.float32)
 
 
 @pytest.mark.parametrize("K", [3000, 4096])  # (a ragged block; whole blocks: dp4a where compiled)
 def test_gemv_int32_accumulator_is_exact(K):
     p = make_problem(1, 40, K, device=DEVICE)
-    out = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=gemv_config(40, K, configs.DEFAULT_SMS))
+    out = launch_scaled_mm(p.a, p.b, None, None, torch.int32, config=gemv_config(40, K, configs.DEFAULT_SMS, torch.int8))
     assert torch.equal(out.cpu(), (p.a.double() @ p.b.double()).to(torch.int32).cpu())
 
 
@@ -85,27 +86,36 @@ def test_packed_words_are_the_bytes_as_int32(as_float):
 
 
 def test_dp4a_reads_int8_rows_as_words_where_whole_and_aligned(monkeypatch):
-    """gemv.py's DP4A: compiled code only; int8, whole blocks, every row on a 4-byte boundary
-    (a real tensor's address, a traced one's storage offset)."""
+    """gemv.py's DP4A: compiled code on an NVIDIA GPU only; int8, whole blocks of a word or
+    more, rows 4 bytes apart from a 16-byte boundary (a real tensor's address, a traced one's
+    storage offset: what an eager launch's replay key and Inductor's input checks hold)."""
     monkeypatch.setattr(launch, "INTERPRETED", False)
-    buf = torch.zeros(64 * 4098 + 1, dtype=torch.int8)
+    buf = torch.zeros(64 * 4100 + 16, dtype=torch.int8)
     w = buf[:64 * 4096].view(64, 4096)
-    assert launch.dp4a_rows(w.t(), True, fake=False)
-    assert not launch.dp4a_rows(w.t(), False, fake=False)  # a ragged last block
-    assert not launch.dp4a_rows(buf[1:1 + 64 * 4096].view(64, 4096).t(), True, fake=False)  # odd addresses
-    assert not launch.dp4a_rows(buf[:64 * 4098].view(64, 4098)[:, :4096].t(), True, fake=False)  # row stride 4098
-    assert not launch.dp4a_rows(w.t().view(torch.float8_e4m3fn), True, fake=False)
+    assert launch.dp4a_rows(w.t(), 512, True, fake=False)
+    assert not launch.dp4a_rows(w.t(), 512, False, fake=False)  # a ragged last block
+    assert not launch.dp4a_rows(w.t(), 2, True, fake=False)  # a block shorter than a word
+    for offset in (1, 4, 8):  # (4 and 8: aligned to a word, not to the replay key's 16 bytes)
+        assert not launch.dp4a_rows(buf[offset:offset + 64 * 4096].view(64, 4096).t(), 512, True, fake=False)
+    assert launch.dp4a_rows(buf[16:16 + 64 * 4096].view(64, 4096).t(), 512, True, fake=False)
+    assert launch.dp4a_rows(buf[:64 * 4100].view(64, 4100)[:, :4096].t(), 512, True, fake=False)  # rows 4100 apart
+    assert not launch.dp4a_rows(buf[:64 * 4098].view(64, 4098)[:, :4096].t(), 512, True, fake=False)  # 4098
+    assert not launch.dp4a_rows(w.t().view(torch.float8_e4m3fn), 512, True, fake=False)
     with FakeTensorMode():
-        fake = torch.empty(64 * 4096 + 1, dtype=torch.int8)
-        assert launch.dp4a_rows(fake[:64 * 4096].view(64, 4096).t(), True, fake=True)
-        assert not launch.dp4a_rows(fake[1:].view(64, 4096).t(), True, fake=True)
+        fake = torch.empty(64 * 4096 + 16, dtype=torch.int8)
+        assert launch.dp4a_rows(fake[:64 * 4096].view(64, 4096).t(), 512, True, fake=True)
+        assert launch.dp4a_rows(fake[16:].view(64, 4096).t(), 512, True, fake=True)
+        assert not launch.dp4a_rows(fake[4:4 + 64 * 4096].view(64, 4096).t(), 512, True, fake=True)
+    monkeypatch.setattr(torch.version, "hip", "6.0")
+    assert not launch.dp4a_rows(w.t(), 512, True, fake=False)
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(launch, "INTERPRETED", True)
-    assert not launch.dp4a_rows(w.t(), True, fake=False)
+    assert not launch.dp4a_rows(w.t(), 512, True, fake=False)
 
 
 def test_one_row_with_a_weight_as_stored_takes_the_gemv(sm90):
     a, b, out = _operands(1, 4096, 14336)
-    p = launch.plan(gemv_config(4096, 14336, 132), FLAGS, a, b, out, fake=True)
+    p = launch.plan(gemv_config(4096, 14336, 132, torch.int8), FLAGS, a, b, out, fake=True)
     assert p.kernel is scaled_gemv_kernel and p.gemv and p.grid == (4096 // 4,) and p.split_k == 1
     assert p.constexprs == {**FLAGS, "QUANT": False, "DIVISOR": 1.0, "FLOOR": 0.0, "GATED": False, "FLOOR_FIRST": False,
                             "DP4A": not launch.INTERPRETED, "BLOCK_N": 4, "BLOCK_K": 2048, "EVEN_K": True,
@@ -132,12 +142,13 @@ def test_a_gemv_config_takes_half_the_rows_below_four_programs_a_sm_and_a_short_
     assert configs.GEMV_PROGRAMS_PER_SM == 4 and GEMV.block_n == 8 and GEMV.block_k == 2048
     int8_wide = replace(GEMV, block_k=configs.GEMV_INT8_WIDE_BLOCK_K)
     assert configs.GEMV_INT8_WIDE_BLOCK_K == 512
-    assert gemv_config(6144, 4096, 132) == int8_wide  # 768 programs of 8 rows: 5.8 a SM
+    assert gemv_config(6144, 4096, 132, torch.int8) == int8_wide  # 768 programs of 8 rows: 5.8 a SM
     assert gemv_config(6144, 4096, 132, torch.float8_e4m3fn) == GEMV
-    assert gemv_config(4224, 4096, 132) == int8_wide  # 528: 4 a SM
-    assert gemv_config(4216, 4096, 132) == replace(GEMV, block_n=4)  # 527
+    assert gemv_config(4224, 4096, 132, torch.int8) == int8_wide  # 528: 4 a SM
+    assert gemv_config(4216, 4096, 132, torch.int8) == replace(GEMV, block_n=4)  # 527
     assert gemv_config(4216, 4096, 132, torch.float8_e4m3fn) == replace(GEMV, block_n=4)
-    assert gemv_config(28672, 100, 132) == Config(1, 8, 128, num_warps=4, num_stages=3, gemv=True)
+    assert gemv_config(28672, 100, 132, torch.int8) == Config(1, 8, 128, num_warps=4, num_stages=3, gemv=True)
+    assert gemv_config(6144, 4096 + 256, 132, torch.int8) == GEMV  # (512 does not divide K: no dp4a)
 
 
 def test_a_gated_row_takes_16_rows_a_program_at_least_one_a_sm_where_the_kernel_runs():
@@ -158,7 +169,7 @@ def test_the_gated_launch_takes_the_gated_config(monkeypatch):
     for gate in (None, g):
         launch.launch_gemv_quantized(x, b, sb, torch.bfloat16, None, 127.5, 1e-7, gate)
     sms = configs.sm_count(x.device)
-    assert seen == [gemv_config(4096, 14336, sms).block_n, configs.gemv_gated_config(4096, 14336, sms).block_n]
+    assert seen == [gemv_config(4096, 14336, sms, torch.int8).block_n, configs.gemv_gated_config(4096, 14336, sms).block_n]
 
 
 @pytest.mark.parametrize("M,split_k,row_major", [(2, 1, False), (1, 2, False), (1, 1, True)])
@@ -166,7 +177,7 @@ def test_a_gemv_config_refuses_what_its_kernel_cannot_run(sm90, M, split_k, row_
     a, b, out = _operands(M, 64, 256)
     b = torch.empty((256, 64), dtype=torch.int8, device="cuda") if row_major else b  # (K, N), N contiguous
     with pytest.raises(ValueError, match="a gemv config needs M = 1, b contiguous along K, a static K and split_k 1"):
-        launch.plan(replace(gemv_config(64, 256, 132), split_k=split_k), FLAGS, a, b, out, fake=True)
+        launch.plan(replace(gemv_config(64, 256, 132, torch.int8), split_k=split_k), FLAGS, a, b, out, fake=True)
 
 
 def test_a_gemv_config_refuses_a_symbolic_k():
@@ -180,4 +191,4 @@ def test_a_gemv_config_refuses_a_symbolic_k():
     with mode:
         b = torch.empty((64, K), dtype=torch.int8).t()
         with pytest.raises(ValueError, match="a static K"):
-            launch.plan(gemv_config(64, 256, 132), FLAGS, a, b, launch.new_output(a, b, torch.bfloat16), fake=True)
+            launch.plan(gemv_config(64, 256, 132, torch.int8), FLAGS, a, b, launch.new_output(a, b, torch.bfloat16), fake=True)

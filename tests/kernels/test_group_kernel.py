@@ -63,13 +63,14 @@ def test_config_is_the_fused_weights_unsplit_with_pointer_loads():
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
 @pytest.mark.parametrize("variant", range(len(VARIANTS)))
-def test_one_row_of_weights_as_stored_runs_each_members_gemv(dtype, variant):
+@pytest.mark.parametrize("K", [300, 1024])  # (1024: whole blocks, dp4a where compiled)
+def test_one_row_of_weights_as_stored_runs_each_members_gemv(dtype, variant, K):
     """M = 1, b = w.t(): the members' rows of b.T (gemv.py's loop), each member bit for bit the
-    M = 1 kernel's result; ragged N, K over several ragged blocks."""
-    Ns, K = [40, 17, 24], 300
+    M = 1 kernel's result; ragged N, K over several blocks, ragged or whole."""
+    Ns = [40, 17, 24]
     a, scale_a, problems = _members(1, Ns, K, dtype, variant)
     rows = (8, 4)[variant % 2]
-    cfg = dataclasses.replace(gemv_config(sum(Ns), K, 1), block_n=rows, block_k=128)
+    cfg = dataclasses.replace(gemv_config(sum(Ns), K, 1, torch.int8), block_n=rows, block_k=128)
     assert cfg.gemv
     outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
                                   torch.bfloat16, [p.bias for p in problems], config=cfg)
@@ -81,7 +82,7 @@ def test_one_row_of_weights_as_stored_runs_each_members_gemv(dtype, variant):
 def test_one_row_takes_the_gemv_where_the_joined_width_fills_the_gpu():
     cpu = torch.device("cpu")  # (DEFAULT_SMS: 132)
     qkv = ([4096, 1024, 1024], 4096)
-    assert group_config(1, *qkv, torch.int8, cpu, k_contiguous=True) == gemv_config(6144, 4096, configs.DEFAULT_SMS)
+    assert group_config(1, *qkv, torch.int8, cpu, k_contiguous=True) == gemv_config(6144, 4096, configs.DEFAULT_SMS, torch.int8)
     assert not group_config(2, *qkv, torch.int8, cpu, k_contiguous=True).gemv  # two rows
     assert not group_config(1, *qkv, torch.int8, cpu, k_contiguous=False).gemv  # weights stored (K, N)
     assert not group_config(1, [1024, 1024], 4096, torch.int8, cpu, k_contiguous=True).gemv  # 256 programs
@@ -91,4 +92,4 @@ def test_a_gemv_config_refuses_two_rows():
     a, scale_a, problems = _members(2, [16, 16], 64, torch.int8, 0)
     with pytest.raises(ValueError, match="a gemv config needs M = 1 and weights contiguous along K"):
         launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
-                               torch.float32, [None, None], config=gemv_config(32, 64, 1))
+                               torch.float32, [None, None], config=gemv_config(32, 64, 1, torch.int8))

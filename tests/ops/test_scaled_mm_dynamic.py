@@ -75,7 +75,7 @@ def _gated_row(K, x_dtype, seed=0):
     return tuple((torch.randn(1, K, generator=g) * 3).to(x_dtype).to(DEVICE) for _ in range(2))  # gate, up
 
 
-@pytest.mark.parametrize("K", [33, 1000, 4096 + 512])
+@pytest.mark.parametrize("K", [33, 1000, 2048, 4096 + 512])  # (2048: whole blocks, dp4a where compiled)
 @pytest.mark.parametrize("x_dtype", [BF16, torch.float16, torch.float32])
 @pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
 def test_the_m1_kernel_gates_its_row_as_eager_rounds(K, x_dtype, dtype):
@@ -91,9 +91,10 @@ def test_the_m1_kernel_gates_its_row_as_eager_rounds(K, x_dtype, dtype):
     ref = (q.float() * s).flatten()
     if DEVICE == "cpu":
         assert torch.equal(out.flatten(), ref)
-        # (int8's finer steps tell the roundings between the ops apart at these rows)
+        # (int8's finer steps tell the roundings between the ops apart at these rows; at K = 2048
+        # the fp16 row's do not, which the other widths show)
         unrounded = gate.float() / (1 + torch.exp(-gate.float())) * up.float()
-        assert K < 100 or x_dtype == torch.float32 or dtype == F8 or \
+        assert K not in (1000, 4096 + 512) or x_dtype == torch.float32 or dtype == F8 or \
             not torch.equal(quantize_rows(unrounded, dtype, DIVISOR[dtype], SCALE_EPS)[0], q)
     else:  # (a step: int8's, or e4m3's at that value, 1/8 of it at most; the scale an fp32 rounding apart)
         apart = (out.flatten() - ref).abs()
