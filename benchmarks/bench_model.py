@@ -31,7 +31,8 @@ their decode caches fit in memory together; else one variant after another):
   name, in DIR);
 - ``gemm_ms``: of it, fusepass's GEMM kernels (``FUSED_GEMMS``), and at decode ``gemm_TBps``:
   the decoder's linear weights (1 byte each; lm_head apart) over that time, the read rate that
-  issue 35's bandwidth target asks of a step's GEMMs.
+  issue 35's bandwidth target asks of a step's GEMMs (in default mode the M = 1 launches of
+  o_proj and down_proj also quantize, and gate, their rows: more time for the same bytes).
 
 Each run appends its rows to ``--out`` (one JSON list, a ``run`` id per process), so a full table
 can be built over several calls; ratios are only ever taken within one run (one process).
@@ -57,12 +58,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fusepass  # noqa: E402
 from fusepass.demo import models  # noqa: E402
-from fusepass.kernels import blockwise, gemv, group, persistent, scaled_mm  # noqa: E402
+from fusepass.kernels import KERNELS  # noqa: E402
 
-# fusepass's GEMM kernels, by the names their launches carry in a profile
-FUSED_GEMMS = tuple(k.fn.__name__ for k in (gemv.scaled_gemv_kernel, scaled_mm.scaled_mm_kernel,
-                                            persistent.scaled_mm_persistent_kernel, group.scaled_mm_group_kernel,
-                                            blockwise.blockwise_mm_kernel))
+# fusepass's GEMM kernels, by the names their launches carry in a profile (Inductor's too, which
+# may add a suffix)
+FUSED_GEMMS = tuple(k.fn.__name__ for k in KERNELS)
 
 FULL = models.Sizes(32, 4096, 14336, 32, 8, 128256)  # Llama-3-8B
 # name: (quantization, quantizer, backend, prepare)
@@ -479,8 +479,8 @@ def _line(row: dict) -> str:
     if "error" in row:
         return row["error"]
     kernels = f" (kernels {row['kernel_ms']:.3f} ms, {row['kernels']:.0f}; gap {row['gap_ms']:.3f})" if "kernels" in row else ""
-    if "gemm_TBps" in row:
-        kernels += f", GEMMs {row['gemm_ms']:.3f} ms ({row['gemm_TBps']:.2f} TB/s)"
+    if "gemm_ms" in row:
+        kernels += f", GEMMs {row['gemm_ms']:.3f} ms" + (f" ({row['gemm_TBps']:.2f} TB/s)" if "gemm_TBps" in row else "")
     return f"{row['step_ms']:.3f} ms{kernels}, compile {row['compile_s']} s"
 
 

@@ -193,7 +193,8 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
 # (``gemv_fills``).
 GEMV = Config(block_m=1, block_n=8, block_k=2048, num_warps=4, num_stages=3, gemv=True)
 GEMV_PROGRAMS_PER_SM = 4
-# int8 rows summed by dp4a (gemv.py's DP4A) read 512 bytes a block where a program takes 8:
+# int8 rows summed by dp4a (gemv.py's DP4A) read 512 bytes a block where a program takes 8 (and
+# 512 divides K):
 # H200, 16 weight copies past L2, in turns: q/k/v 8.34 us against 8.59 at 2048 bytes, gate/up
 # 29.85 against 31.00 (4-row shapes: 2048 stays, o 6.59, down 15.84); fp8 keeps 2048 (q/k/v
 # 9.27 against 10.08 at 512, gate/up 31.24 against 33.09; NOTES.md run 28).

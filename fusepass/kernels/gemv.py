@@ -8,7 +8,7 @@ step waits for. Here each program reads ``BLOCK_N`` whole rows of ``b.T`` (``b``
 contiguous along K: ``w.t()`` of a row-major weight) ``BLOCK_K`` bytes at a time and
 reduces them against the activation row in registers (int8 products summed exactly in int32;
 fp8 ones, exact in fp32, summed in fp32). int8 rows whose blocks are whole words, starting on
-word boundaries (``launch.dp4a_rows``), are read as int32 words and summed by PTX's ``dp4a``
+word boundaries from a 16-byte one (``launch.dp4a_rows``), are read as int32 words and summed by PTX's ``dp4a``
 (DP4A): one instruction for four products, where converting and multiplying each byte kept
 the loop from the read's pace. H200, Llama-3-8B's four decode shapes (q/k/v 6144x4096, o
 4096x4096, gate/up 28672x4096, down 4096x14336), int8, each in a CUDA graph with 16 weight
@@ -149,7 +149,7 @@ def gemv_rows(
     x_scale,  # QUANT: the float row's scale (row_scale); else unused
     QUANT: tl.constexpr,  # a is a float row, quantized here to b's dtype (else of b's dtype)
     g_ptr, GATED: tl.constexpr,  # QUANT: the row is silu(g) * a (_row_block); else None, False
-    DP4A: tl.constexpr = False,  # int8, EVEN_K, rows on word boundaries (launch.dp4a_rows): words, dp4a
+    DP4A: tl.constexpr = False,  # int8, EVEN_K, rows word-aligned (launch.dp4a_rows): words, dp4a
 ):
     """The main loop: (acc (BLOCK_N,) of a @ b's columns, their indices cols (BLOCK_N,),
     offs_n: cols with ragged ones read as column 0). Also ``group.py``'s, at M = 1."""

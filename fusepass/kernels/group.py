@@ -88,7 +88,7 @@ def scaled_mm_group_kernel(
     GEMV: tl.constexpr,  # M = 1 with b's columns contiguous along K: rows of b.T (gemv.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
-    DP4A: tl.constexpr = False,  # GEMV, int8, EVEN_K, every member's rows on word boundaries (launch.dp4a_rows)
+    DP4A: tl.constexpr = False,  # GEMV, int8, EVEN_K, every member's rows word-aligned (launch.dp4a_rows)
 ):
     # Tile t of the members' column tiles, laid end to end; M's tiles of one column tile
     # are neighbours, so they read that slice of the weight while it is in L2.

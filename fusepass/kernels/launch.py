@@ -96,8 +96,8 @@ def gemv_allowed(a: torch.Tensor, b: torch.Tensor) -> bool:
 def dp4a_rows(b: torch.Tensor, block_k: int, even_k: bool, fake: bool) -> bool:
     """Whether the M = 1 kernel reads ``b``'s columns (rows of ``b.T``) as 4-byte words and
     sums them with PTX's ``dp4a`` (``gemv.py``'s DP4A): int8 on an NVIDIA GPU, compiled (the
-    interpreter runs no PTX), whole blocks of at least a word (``even_k``, ``block_k``), rows 4
-    bytes apart and the first on a 16-byte boundary: the alignment that an eager launch's
+    interpreter runs no PTX), whole blocks of at least a word (``even_k``, ``block_k``), rows a
+    multiple of 4 bytes apart and the first on a 16-byte boundary: the alignment that an eager launch's
     replay key (``ops/eager.py``) and Inductor's checks of its inputs hold a tensor to, so a
     later call with a weight aligned less cannot reuse the launch. H200, Llama-3-8B's decode
     shapes at 2048 bytes a block, without and with: q/k/v 9.18 -> 8.59 us, o 6.90 -> 6.59,

@@ -1,8 +1,9 @@
 """``gemv.py``'s DP4A path in Triton's interpreter, which runs no PTX: ``dp4a`` as four
 sign-extended byte products a word, the launch deciding as compiled code does. int32 sums
 exact against float64; quantizing and gated rows equal to the loop without it; the grouped
-kernel's members. On a GPU PTX's own ``dp4a`` runs in the oracle tests (whole blocks:
-``test_gemv_kernel``, ``test_scaled_mm_dynamic``, ``test_group_kernel``)."""
+kernel's members. On a GPU PTX's own ``dp4a`` runs where the kernel tests take whole blocks
+(against the float64 oracle: ``test_gemv_kernel``'s and the sanitizer sweep's; against the
+same kernel: ``test_scaled_mm_dynamic``'s and ``test_group_kernel``'s)."""
 
 from dataclasses import replace
 

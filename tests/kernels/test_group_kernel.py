@@ -70,7 +70,7 @@ def test_one_row_of_weights_as_stored_runs_each_members_gemv(dtype, variant, K):
     Ns = [40, 17, 24]
     a, scale_a, problems = _members(1, Ns, K, dtype, variant)
     rows = (8, 4)[variant % 2]
-    cfg = dataclasses.replace(gemv_config(sum(Ns), K, 1, torch.int8), block_n=rows, block_k=128)
+    cfg = dataclasses.replace(gemv_config(sum(Ns), K, 1, dtype), block_n=rows, block_k=128)
     assert cfg.gemv
     outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
                                   torch.bfloat16, [p.bias for p in problems], config=cfg)

@@ -94,7 +94,7 @@ def test_the_m1_kernel_gates_its_row_as_eager_rounds(K, x_dtype, dtype):
         # (int8's finer steps tell the roundings between the ops apart at these rows; at K = 2048
         # the fp16 row's do not, which the other widths show)
         unrounded = gate.float() / (1 + torch.exp(-gate.float())) * up.float()
-        assert K not in (1000, 4096 + 512) or x_dtype == torch.float32 or dtype == F8 or \
+        assert K < 100 or (K == 2048 and x_dtype == torch.float16) or x_dtype == torch.float32 or dtype == F8 or \
             not torch.equal(quantize_rows(unrounded, dtype, DIVISOR[dtype], SCALE_EPS)[0], q)
     else:  # (a step: int8's, or e4m3's at that value, 1/8 of it at most; the scale an fp32 rounding apart)
         apart = (out.flatten() - ref).abs()
