@@ -70,6 +70,14 @@ DECODE_PROGRAMS_PER_SM = 2
 MOST_SPLITS = 8
 DEFAULT_SMS = 132  # an H100/H200 where there is no CUDA device to ask (the interpreter)
 
+# Above decode sizes, a shape the table has not seen takes the bucket's default tiles, tuned
+# on wide weights; on a narrow one they can leave SMs idle (Llama-3-8B's unjoined k_proj,
+# N = 1024, K = 4096, at M = 2048: 64 tiles of 256x128 on 132 SMs). Where the default's tiles
+# at the bucket's fewest rows are fewer than the SMs, these smaller ones: H200, int8, that
+# k_proj took 20.8 us at M = 2048 and 20.1 at M = 1024 against the persistent 256x128
+# default's 33.4 and 32.5 (tune.py's base search at those M; benchmarks/NOTES.md run 29).
+LARGE_M_FILL = Config(128, 128, 128, num_warps=4, num_stages=4, tma=True)
+
 # Without a table: small M (decode) is bound by reading the weight, so its tiles are short
 # in M and wide in K; large M is compute-bound and takes 128x128 tiles.
 BUILTIN = (
@@ -261,7 +269,7 @@ def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | N
         cfg = replace(cfg, tma=False, persistent=False)
     if N is not None and K is not None:
         cfg = fit(cfg, N, K)
-        cfg = cfg if tuned else derive_split(cfg, bucket, N, K, sms)
+        cfg = cfg if tuned else fill_large_m(derive_split(cfg, bucket, N, K, sms), bucket, N, K, sms)
     return decode_unsplit(cfg, M_BUCKETS[bucket], split_decode)
 
 
@@ -276,6 +284,19 @@ def derive_split(cfg: Config, bucket: int, N: int, K: int, sms: int) -> Config:
     while split * 2 <= most and tiles * split * 2 <= DECODE_PROGRAMS_PER_SM * sms:
         split *= 2
     return replace(cfg, split_k=split)
+
+
+def fill_large_m(cfg: Config, bucket: int, N: int, K: int, sms: int) -> Config:
+    """``cfg``, or LARGE_M_FILL's smaller tiles where ``cfg``'s would give fewer tiles than
+    ``sms`` at the fewest rows of a bucket above the pointer-load ones (a narrow weight at
+    prefill sizes)."""
+    if pointer_loads_only(bucket):
+        return cfg
+    fill = fit(LARGE_M_FILL, N, K)
+    rows = M_BUCKETS[bucket - 1] + 1
+    if fill.block_m * fill.block_n >= cfg.block_m * cfg.block_n or cdiv(rows, cfg.block_m) * cdiv(N, cfg.block_n) >= sms:
+        return cfg
+    return fill
 
 
 def pointer_loads_only(bucket: int) -> bool:

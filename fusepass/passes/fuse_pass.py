@@ -28,6 +28,7 @@ from .quantize_in import NAME as QUANTIZED_IN, quantize_in_gemv
 from .patterns import PATTERNS
 from .rewrite import emit
 from .route import ROUTED, needs_route, route
+from .share import share_activations
 
 log = logging.getLogger("fusepass.pass")
 
@@ -142,6 +143,9 @@ class FusePass(CustomGraphPass):
                 if d is not None:  # the first pattern that recognizes the matmul decides
                     decisions.append(d)
                     break
+        shared = share_activations(graph)  # (not counted: the joins and groups it enables are)
+        for name in shared:
+            log.debug("fusepass: %s reads an earlier copy of its quantized activation", name)
         joined = self.config.join_siblings and join_siblings(graph)
         for names in joined or ():
             count(JOINED)
@@ -154,7 +158,7 @@ class FusePass(CustomGraphPass):
             for names in group_siblings(graph, self.config.group_max_m, gemv_only=captured):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
-        changed = joined or any(d.fused or d.rerouted for d in decisions)
+        changed = shared or joined or any(d.fused or d.rerouted for d in decisions)
         if changed:
             graph.eliminate_dead_code()  # (the rewritten matmuls' old forms: users of the quantized rows)
         quantize_in = self.config.quantize_in_gemv

@@ -1,0 +1,77 @@
+"""Sibling fused matmuls reading one copy of their activation's quantization
+(fusepass/passes/share.py): at prefill sizes, where nothing groups them, q/k/v-style siblings
+that each quantize the same input read the first copy, with the values each gets alone; and
+the copies that are not the same value stay apart."""
+
+import re
+
+import torch
+
+from tests.passes.harness import run_pass
+from tests.passes.test_group_pass import Siblings, x_of
+
+PREFILL = 32  # rows: above PassConfig.group_max_m, so no group takes one activation for them
+
+
+def activations(r) -> list[str]:
+    """The first operand of each fused scaled_mm call in the rewritten graph."""
+    return re.findall(r"= fusepass\.scaled_mm\((\w+),", r.after)
+
+
+def test_prefill_siblings_read_one_quantization():
+    r = run_pass(Siblings(), x_of(PREFILL))
+    assert r.counts == {"int_mm_scaled": 3}
+    calls = activations(r)
+    assert len(calls) == 3 and len(set(calls)) == 1, r.after
+    assert r.before.count("aten.amax(") == 3
+    assert r.after.count("aten.amax(") == 1  # the other two copies went dead
+    assert r.after.count("aten.round(") == 1
+
+
+def test_same_values_as_each_linear_compiled_alone():
+    for dtype in (torch.int8, torch.float8_e4m3fn):
+        model, x = Siblings(dtype=dtype, bias=True), x_of(PREFILL)
+        shared = run_pass(model, x)
+        assert len(set(activations(shared))) == 1
+        for lin, out in zip(model.linears, shared.out, strict=True):
+            alone = run_pass(lin, x)
+            assert len(activations(alone)) == 1
+            torch.testing.assert_close(out, alone.out, rtol=0, atol=0)
+
+
+def test_symbolic_m_shares_too():
+    r = run_pass(Siblings(), x_of(PREFILL), dynamic=True)
+    assert len(set(activations(r))) == 1 and r.after.count("aten.amax(") == 1
+
+
+def test_different_values_keep_their_own_quantization():
+    model = Siblings()
+    # another input, a scaled copy of the same input
+    r = run_pass(lambda x, y: [model.linears[0](x), model.linears[1](y), model.linears[2](x * 2)],
+                 x_of(PREFILL), x_of(PREFILL, seed=2))
+    assert len(set(activations(r))) == 3 and r.after.count("aten.amax(") == 3
+
+
+def test_int8_and_fp8_quantizations_of_one_input_stay_apart():
+    int8, fp8 = Siblings(widths=(16,)), Siblings(widths=(16,), dtype=torch.float8_e4m3fn)
+    r = run_pass(lambda x: [int8.linears[0](x), fp8.linears[0](x)], x_of(PREFILL))
+    assert len(set(activations(r))) == 2 and r.after.count("aten.amax(") == 2
+
+
+@torch.library.custom_op("fusepass_test::opaque_copy", mutates_args=())
+def opaque_copy(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@opaque_copy.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+def test_custom_op_results_are_not_one_value():
+    """Two calls of a custom op on one input are two values, however alike (a custom op may
+    hide state or randomness): not shared."""
+    model = Siblings(widths=(16, 16))
+    r = run_pass(lambda x: [lin(opaque_copy(x)) for lin in model.linears], x_of(PREFILL))
+    assert len(set(activations(r))) == 2, r.after
+    assert r.after.count("fusepass_test.opaque_copy(") == 2
