@@ -4,7 +4,9 @@
 ``benchmarks/tune.py``) by (dtype, M bucket, N, K); an unseen (N, K) takes the bucket's
 tuned default (the config with the best geomean over the tuned shapes), and an
 architecture without a table takes the built-in defaults below; either way a decode
-bucket then splits K to fill the GPU (``derive_split``). A tuned or derived decode split is
+bucket then splits K to fill the GPU (``derive_split``), and above decode sizes a narrow
+weight takes smaller tiles where the default's leave SMs idle (``fill_large_m``, at the
+call's M). A tuned or derived decode split is
 dropped for compiled code outside CUDA graphs (``decode_unsplit``). ``bucket_choices`` gives
 every bucket's config for one (N, K), for a launch whose M is only known at run time.
 Nothing is timed at run time, so the ops stay cheap to call and capture into CUDA graphs.
@@ -72,10 +74,12 @@ DEFAULT_SMS = 132  # an H100/H200 where there is no CUDA device to ask (the inte
 
 # Above decode sizes, a shape the table has not seen takes the bucket's default tiles, tuned
 # on wide weights; on a narrow one they can leave SMs idle (Llama-3-8B's unjoined k_proj,
-# N = 1024, K = 4096, at M = 2048: 64 tiles of 256x128 on 132 SMs). Where the default's tiles
-# at the bucket's fewest rows are fewer than the SMs, these smaller ones: H200, int8, that
-# k_proj took 20.8 us at M = 2048 and 20.1 at M = 1024 against the persistent 256x128
-# default's 33.4 and 32.5 (tune.py's base search at those M; benchmarks/NOTES.md run 29).
+# N = 1024, K = 4096, at M = 2048: 64 tiles of 256x128 on 132 SMs). At a static M where the
+# default's tiles are fewer than the SMs and these take fewer rounds of the SMs (``fill_large_m``),
+# these. H200, int8, that k_proj: 20.7 us at M = 2048 and 20.0 at M = 1024 against the
+# persistent 256x128 default's 33.4 and 32.5; at M = 4096 (128 tiles of 256x128, 256 of these:
+# as many rounds, kept) 40.4 against 33.7 (tune.py's base search at those M; benchmarks/NOTES.md
+# run 29). A symbolic M keeps its bucket's tiles.
 LARGE_M_FILL = Config(128, 128, 128, num_warps=4, num_stages=4, tma=True)
 
 # Without a table: small M (decode) is bound by reading the weight, so its tiles are short
@@ -162,7 +166,7 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.int8, devic
     """The launch configuration for one (M, N, K) problem of ``dtype`` on ``device``;
     ``split_decode=False``: a decode launch runs unsplit (see ``decode_unsplit``)."""
     arch = device_arch(device) if device is not None else None
-    return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch, sm_count(device), split_decode)
+    return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch, sm_count(device), split_decode, M)
 
 
 def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False, split_decode: bool = True) -> list:
@@ -254,7 +258,7 @@ def merge_buckets(choices) -> list:
 
 @functools.lru_cache(maxsize=4096)  # on the eager launch path: 6 us uncached, 0.3 us cached
 def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | None, sms: int = DEFAULT_SMS,
-            split_decode: bool = True) -> Config:
+            split_decode: bool = True, M: int | None = None) -> Config:
     cfg, tuned = BUILTIN[bucket], False
     if arch is not None:
         table = load_table(arch)
@@ -269,7 +273,7 @@ def _config(bucket: int, N: int | None, K: int | None, dtype: str, arch: str | N
         cfg = replace(cfg, tma=False, persistent=False)
     if N is not None and K is not None:
         cfg = fit(cfg, N, K)
-        cfg = cfg if tuned else fill_large_m(derive_split(cfg, bucket, N, K, sms), bucket, N, K, sms)
+        cfg = cfg if tuned else fill_large_m(derive_split(cfg, bucket, N, K, sms), M, N, K, sms)
     return decode_unsplit(cfg, M_BUCKETS[bucket], split_decode)
 
 
@@ -286,17 +290,21 @@ def derive_split(cfg: Config, bucket: int, N: int, K: int, sms: int) -> Config:
     return replace(cfg, split_k=split)
 
 
-def fill_large_m(cfg: Config, bucket: int, N: int, K: int, sms: int) -> Config:
-    """``cfg``, or LARGE_M_FILL's smaller tiles where ``cfg``'s would give fewer tiles than
-    ``sms`` at the fewest rows of a bucket above the pointer-load ones (a narrow weight at
-    prefill sizes)."""
-    if pointer_loads_only(bucket):
+def fill_large_m(cfg: Config, M: int | None, N: int, K: int, sms: int) -> Config:
+    """``cfg``, or LARGE_M_FILL's smaller tiles where, at a static ``M`` above the pointer-load
+    buckets, ``cfg``'s tiles leave SMs idle (fewer than ``sms``) and the smaller ones take
+    fewer rounds of ``sms`` tiles, counted in ``cfg``'s tile area."""
+    if M is None or M <= POINTER_LOADS_MAX_M:
         return cfg
     fill = fit(LARGE_M_FILL, N, K)
-    rows = M_BUCKETS[bucket - 1] + 1
-    if fill.block_m * fill.block_n >= cfg.block_m * cfg.block_n or cdiv(rows, cfg.block_m) * cdiv(N, cfg.block_n) >= sms:
-        return cfg
-    return fill
+
+    def tiles(c: Config) -> int:
+        return cdiv(M, c.block_m) * cdiv(N, c.block_n)
+
+    def rounds(c: Config) -> int:  # (in units of the smaller tile's work)
+        return cdiv(tiles(c), sms) * c.block_m * c.block_n
+
+    return fill if tiles(cfg) < sms and rounds(fill) < rounds(cfg) else cfg
 
 
 def pointer_loads_only(bucket: int) -> bool:

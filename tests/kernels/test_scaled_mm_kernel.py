@@ -145,10 +145,8 @@ def test_config_covers_small_dims():
 
 
 def untuned(bucket: int, cfg: Config, N: int, K: int) -> Config:
-    """What a shape the table lacks gets from ``cfg`` (a bucket default): fitted, split at
-    decode, smaller tiles for a narrow weight above it."""
-    sms = configs.DEFAULT_SMS
-    return configs.fill_large_m(configs.derive_split(configs.fit(cfg, N, K), bucket, N, K, sms), bucket, N, K, sms)
+    """What a shape the table lacks gets from ``cfg`` (a bucket default): fitted, split at decode."""
+    return configs.derive_split(configs.fit(cfg, N, K), bucket, N, K, configs.DEFAULT_SMS)
 
 
 def test_config_table_lookup(table_dir):
@@ -205,31 +203,35 @@ def test_config_derived_split_fills_the_gpu(M, N, K, block_n, split):
     assert configs.derive_split(cfg, configs.m_bucket(M), N, K, 132).split_k == split
 
 
-# Above decode sizes, the bucket default's tiles (256 x 128 here, as the shipped table's) at the
-# bucket's fewest rows: fewer than 132 take LARGE_M_FILL's 128 x 128. k_proj's N = 1024 at M up to
-# 4096 (from 1025: 5 x 8 tiles); at M > 4096, 17 x 8 = 136 stay; N = 512 there, 68, does not.
+# Above the pointer-load buckets, at a static M, the bucket default's tiles (256 x 128 here, as
+# the shipped table's) where fewer than 132: LARGE_M_FILL's 128 x 128 where they take fewer rounds
+# of 132 tiles (in 128 x 128 units). k_proj's N = 1024: 64 tiles at M = 2048 (one round of 2
+# units against one of 1); at M = 4096, 128 tiles against 256 of 128 x 128 (2 rounds each): kept.
 @pytest.mark.parametrize("M,N,filled", [
-    (2048, 1024, True), (1024, 1024, True), (300, 1024, True), (4096, 1024, True),
-    (20000, 1024, False), (20000, 512, True),
-    (2048, 14336, False), (2048, 6144, False),  # 5 x 112 and 5 x 48 tiles
+    (2048, 1024, True), (1024, 1024, True), (300, 1024, True), (3000, 512, True),
+    (4096, 1024, False), (20000, 1024, False), (20000, 512, False),
+    (2048, 14336, False), (2048, 6144, False),  # 8 x 112 and 8 x 48 tiles
     (16, 1024, False), (64, 1024, False),  # pointer-load buckets (M <= 16 split along K instead)
 ])
 def test_config_narrow_weight_above_decode_takes_smaller_tiles(table_dir, M, N, filled):
     wide = Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
     (table_dir / "sm90.json").write_text(json.dumps({"shapes": {}, "defaults": {
         f"int8,{configs.bucket_name(b)}": {"config": wide.as_dict()} for b in range(len(configs.M_BUCKETS))}}))
-    cfg = configs._config(configs.m_bucket(M), N, 4096, "int8", "sm90", 132)
+    bucket = configs.m_bucket(M)
+    cfg = configs._config(bucket, N, 4096, "int8", "sm90", 132, M=M)  # (select_config's, on an sm90)
     assert (cfg == configs.LARGE_M_FILL) == filled, cfg
     assert filled or (cfg.block_m, cfg.block_n) == (256, 128)
+    # a symbolic M (the bucket's configs) keeps the bucket's tiles
+    assert configs._config(bucket, N, 4096, "int8", "sm90", 132).block_m == 256
 
 
 def test_config_narrow_tuned_shape_keeps_its_tiles(table_dir):
     tuned = Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
     (table_dir / "sm90.json").write_text(json.dumps({"shapes": {"int8,M<=4096,1024,4096": {"config": tuned.as_dict()}},
                                                      "defaults": {}}))
-    assert configs._config(configs.m_bucket(2048), 1024, 4096, "int8", "sm90", 132) == tuned
+    assert configs._config(configs.m_bucket(2048), 1024, 4096, "int8", "sm90", 132, M=2048) == tuned
     # a smaller default tile is never made larger (the built-in 128 x 128 at a narrower N)
-    assert configs._config(configs.m_bucket(2048), 256, 4096, "int8", "sm90", 132) == configs.fit(
+    assert configs._config(configs.m_bucket(2048), 256, 4096, "int8", "sm90", 132, M=2048) == configs.fit(
         configs.BUILTIN[configs.m_bucket(2048)], 256, 4096)
 
 
