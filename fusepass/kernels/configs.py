@@ -75,11 +75,11 @@ DEFAULT_SMS = 132  # an H100/H200 where there is no CUDA device to ask (the inte
 # Above decode sizes, a shape the table has not seen takes the bucket's default tiles, tuned
 # on wide weights; on a narrow one they can leave SMs idle (Llama-3-8B's unjoined k_proj,
 # N = 1024, K = 4096, at M = 2048: 64 tiles of 256x128 on 132 SMs). At a static M where the
-# default's tiles are fewer than the SMs and these take fewer rounds of the SMs (``fill_large_m``),
-# these. H200, int8, that k_proj: 20.7 us at M = 2048 and 20.0 at M = 1024 against the
-# persistent 256x128 default's 33.4 and 32.5; at M = 4096 (128 tiles of 256x128, 256 of these:
-# as many rounds, kept) 40.4 against 33.7 (tune.py's base search at those M; benchmarks/NOTES.md
-# run 29). A symbolic M keeps its bucket's tiles.
+# default's tiles are fewer than the SMs and these take less time by rounds of the SMs
+# (``fill_large_m``), these. H200, int8 (fp8 and zero points not measured), that k_proj: 21.1 us
+# at M = 2048 and 20.3 at M = 1024, the best of tune.py's base search at those M, against the
+# persistent 256x128 default's 33.4 and 32.5; at M = 4096 the default's 128 tiles are kept (33.6
+# us; these, 256 tiles, took 40.4). benchmarks/NOTES.md run 29. A symbolic M keeps its bucket's tiles.
 LARGE_M_FILL = Config(128, 128, 128, num_warps=4, num_stages=4, tma=True)
 
 # Without a table: small M (decode) is bound by reading the weight, so its tiles are short
@@ -166,7 +166,11 @@ def select_config(M: int, N: int, K: int, dtype: torch.dtype = torch.int8, devic
     """The launch configuration for one (M, N, K) problem of ``dtype`` on ``device``;
     ``split_decode=False``: a decode launch runs unsplit (see ``decode_unsplit``)."""
     arch = device_arch(device) if device is not None else None
-    return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch, sm_count(device), split_decode, M)
+    # fill_large_m reads M only above the pointer-load buckets and through cdiv(M, block_m) of
+    # tiles 64 rows or taller (smaller ones are never filled): M rounded up to 64 keeps every
+    # decision and the cache small for eager calls of many M
+    fill_m = cdiv(M, 64) * 64 if M > POINTER_LOADS_MAX_M else None
+    return _config(m_bucket(M), N, K, dtype_name(dtype, azp), arch, sm_count(device), split_decode, fill_m)
 
 
 def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False, split_decode: bool = True) -> list:
@@ -291,17 +295,18 @@ def derive_split(cfg: Config, bucket: int, N: int, K: int, sms: int) -> Config:
 
 
 def fill_large_m(cfg: Config, M: int | None, N: int, K: int, sms: int) -> Config:
-    """``cfg``, or LARGE_M_FILL's smaller tiles where, at a static ``M`` above the pointer-load
-    buckets, ``cfg``'s tiles leave SMs idle (fewer than ``sms``) and the smaller ones take
-    fewer rounds of ``sms`` tiles, counted in ``cfg``'s tile area."""
+    """``cfg``, or LARGE_M_FILL's smaller tiles (with ``cfg``'s TMA choice) where, at a static
+    ``M`` above the pointer-load buckets, ``cfg``'s tiles leave SMs idle (fewer than ``sms``)
+    and the smaller ones take less time by rounds of ``sms`` tiles, each round as long as its
+    tile's elements."""
     if M is None or M <= POINTER_LOADS_MAX_M:
         return cfg
-    fill = fit(LARGE_M_FILL, N, K)
+    fill = fit(replace(LARGE_M_FILL, tma=cfg.tma), N, K)
 
     def tiles(c: Config) -> int:
         return cdiv(M, c.block_m) * cdiv(N, c.block_n)
 
-    def rounds(c: Config) -> int:  # (in units of the smaller tile's work)
+    def rounds(c: Config) -> int:  # (rounds of sms tiles x a tile's elements)
         return cdiv(tiles(c), sms) * c.block_m * c.block_n
 
     return fill if tiles(cfg) < sms and rounds(fill) < rounds(cfg) else cfg

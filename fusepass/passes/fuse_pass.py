@@ -143,9 +143,6 @@ class FusePass(CustomGraphPass):
                 if d is not None:  # the first pattern that recognizes the matmul decides
                     decisions.append(d)
                     break
-        shared = share_activations(graph)  # (not counted: the joins and groups it enables are)
-        for name in shared:
-            log.debug("fusepass: %s reads an earlier copy of its quantized activation", name)
         joined = self.config.join_siblings and join_siblings(graph)
         for names in joined or ():
             count(JOINED)
@@ -158,7 +155,7 @@ class FusePass(CustomGraphPass):
             for names in group_siblings(graph, self.config.group_max_m, gemv_only=captured):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
-        changed = shared or joined or any(d.fused or d.rerouted for d in decisions)
+        changed = joined or any(d.fused or d.rerouted for d in decisions)
         if changed:
             graph.eliminate_dead_code()  # (the rewritten matmuls' old forms: users of the quantized rows)
         quantize_in = self.config.quantize_in_gemv
@@ -166,9 +163,14 @@ class FusePass(CustomGraphPass):
         for name in quantized or ():
             count(QUANTIZED_IN)
             log.debug("fusepass: %s quantizes its activation in its own launch", name)
-        if quantized:
+        # Last, so that an in-launch quantization (one user a row) still finds its row: the
+        # copies of one quantization that no join, group or launch took (not counted)
+        shared = share_activations(graph)
+        for name in shared:
+            log.debug("fusepass: %s reads an earlier copy of its quantized activation", name)
+        if quantized or shared:
             graph.eliminate_dead_code()
-        if changed or quantized:
+        if changed or quantized or shared:
             graph.lint()
         return decisions
 

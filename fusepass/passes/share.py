@@ -1,19 +1,23 @@
 """Sibling fused matmuls read one copy of the activation they quantize alike.
 
-Matches: after the rewrites, any ``fusepass`` op call an operand of which (a quantized
-activation, its scale, its zero points) is computed by the same pure ops from the same inputs
-as a node earlier in the graph: a hand-written W8A8 linear quantizes its input itself, so a
-Llama layer's q, k and v hold three copies of one quantization, its gate and up two. Any M.
+Matches: after the rewrites, joins, groups and in-launch quantizations, any ``fusepass`` op
+call an operand of which is computed by the same pure ATen / prims ops from the same inputs as
+a node earlier in the graph (every node operand is looked at; in practice the quantized
+activation, its scale and zero points, which each hand-written W8A8 linear computes itself:
+a Llama layer's q, k and v hold three copies of one quantization, its gate and up two). Any M.
+A quantization that goes through a multi-output op (``x.abs().max(dim=-1)``: the op and its
+``getitem``) is not one value to this pass, as in ``group.value_ids``.
 
 Becomes: the call reads the earliest such node instead (the first in graph order, so before
 every call it replaces an operand of); the copies go dead.
 
-Why: Inductor fuses the copies into one kernel but still computes each and writes each, one
-row reduction and one 8-bit activation more per copy. A hand-written int8 Llama-3-8B's
-2048-token prefill spent 2.18 ms in its RMSNorm-and-quantize kernels against 1.68 ms for the
-same model through ``fusepass.prepare``, whose siblings share one call (32 layers, CUDA
-graphs, H200, ``benchmarks/NOTES.md`` run 29). The grouped launch at decode sizes
-(``group.py``) takes one activation for all its members and needs this too.
+Why: where no join or group took the siblings (above ``group_max_m``: prefill), Inductor fused
+the copies into one kernel but still computed and wrote each, a row reduction and an 8-bit
+activation more per copy: a hand-written int8 Llama-3-8B's 2048-token prefill spent 2.18 ms in
+its RMSNorm-and-quantize kernels against 1.68 ms for the same model through
+``fusepass.prepare`` (32 layers, CUDA graphs, H200, ``benchmarks/NOTES.md`` run 29). It runs
+last, since a call that quantizes its row in its own launch (``quantize_in.py``) must be that
+row's only user.
 """
 
 from __future__ import annotations

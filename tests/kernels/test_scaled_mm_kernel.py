@@ -230,9 +230,30 @@ def test_config_narrow_tuned_shape_keeps_its_tiles(table_dir):
     (table_dir / "sm90.json").write_text(json.dumps({"shapes": {"int8,M<=4096,1024,4096": {"config": tuned.as_dict()}},
                                                      "defaults": {}}))
     assert configs._config(configs.m_bucket(2048), 1024, 4096, "int8", "sm90", 132, M=2048) == tuned
-    # a smaller default tile is never made larger (the built-in 128 x 128 at a narrower N)
-    assert configs._config(configs.m_bucket(2048), 256, 4096, "int8", "sm90", 132, M=2048) == configs.fit(
-        configs.BUILTIN[configs.m_bucket(2048)], 256, 4096)
+    # a default tile no larger is never replaced (the built-in 128 x 128, and 64 x 128 at M <= 256)
+    for M in (2048, 200):
+        bucket = configs.m_bucket(M)
+        assert configs._config(bucket, 256, 4096, "int8", "sm90", 132, M=M) == configs.fit(
+            configs.BUILTIN[bucket], 256, 4096)
+
+
+def test_select_config_fills_at_the_calls_m(table_dir, monkeypatch):
+    wide = Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
+    (table_dir / "sm90.json").write_text(json.dumps({"shapes": {}, "defaults": {
+        f"int8,{configs.bucket_name(b)}": {"config": wide.as_dict()} for b in range(len(configs.M_BUCKETS))}}))
+    monkeypatch.setattr(configs, "device_arch", lambda device: "sm90")
+    device = torch.device("cuda", 0)  # (device_arch replaced; sm_count gives 132 without a GPU)
+    assert configs.select_config(2048, 1024, 4096, torch.int8, device) == configs.LARGE_M_FILL
+    assert configs.select_config(4096, 1024, 4096, torch.int8, device) == wide
+    assert configs.select_config(2047, 1024, 4096, torch.int8, device) == configs.LARGE_M_FILL
+    # the fill keeps the bucket's load kind
+    no_tma = dataclasses.replace(wide, tma=False, persistent=False)
+    (table_dir / "sm90.json").write_text(json.dumps({"shapes": {}, "defaults": {
+        f"int8,{configs.bucket_name(b)}": {"config": no_tma.as_dict()} for b in range(len(configs.M_BUCKETS))}}))
+    configs._config.cache_clear()
+    configs.load_table.cache_clear()
+    assert configs.select_config(2048, 1024, 4096, torch.int8, device) == dataclasses.replace(
+        configs.LARGE_M_FILL, tma=False)
 
 
 def test_config_tuned_shape_keeps_its_split(table_dir):

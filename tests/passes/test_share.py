@@ -10,6 +10,7 @@ import torch
 from tests.passes.harness import run_pass
 from tests.passes.test_group_pass import Siblings, x_of
 
+F = torch.nn.functional
 PREFILL = 32  # rows: above PassConfig.group_max_m, so no group takes one activation for them
 
 
@@ -75,3 +76,42 @@ def test_custom_op_results_are_not_one_value():
     r = run_pass(lambda x: [lin(opaque_copy(x)) for lin in model.linears], x_of(PREFILL))
     assert len(set(activations(r))) == 2, r.after
     assert r.after.count("fusepass_test.opaque_copy(") == 2
+
+
+def test_siblings_quantizing_in_their_m1_launches_keep_their_rows():
+    """Sharing runs after the in-launch quantization (row 14), which takes a row with one user:
+    two ungrouped o_proj-style linears of one attention output at M = 1 each quantize it in
+    their own launch, with no quantization kernel before them."""
+    from fusepass.ops.dynamic import quantize_rows
+    from fusepass.passes import PassConfig
+    from tests.passes.test_quantize_in import EPS, H, D, _inputs
+
+    def fn(q, k, v, w, sw, w2, sw2):
+        x = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, H * D)
+        outs = []
+        for ww, ss in ((w, sw), (w2, sw2)):
+            qx, s = quantize_rows(x, torch.int8, 127.5, EPS)
+            outs.append(((qx.float() * s) @ (ww.float() * ss).t()).to(torch.bfloat16))
+        return outs
+
+    q, k, v, w, sw = _inputs()
+    w2, sw2 = _inputs(seed=1)[3:]
+    r = run_pass(fn, q, k, v, w, sw, w2, sw2, config=PassConfig(quantize_in_gemv=True, group_max_m=0))
+    assert r.counts == {"dequant_mm": 2, "quantized_in_gemv": 2}, r.counts
+
+
+def _int8_linear(divisor):
+    """A hand-written int8 linear whose activation scale is amax / ``divisor``."""
+    def linear(x, wq, ws):
+        xs = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / divisor
+        xq = (x.float() / xs).round().clamp(-128, 127).to(torch.int8)
+        return (torch._int_mm(xq, wq.t()).float() * xs * ws).to(x.dtype)
+    return linear
+
+
+def test_one_input_quantized_with_other_constants_stays_apart():
+    lins = Siblings(widths=(16, 16)).linears
+    r = run_pass(lambda x: [_int8_linear(d)(x, lin.wq, lin.ws) for d, lin in zip((127.0, 127.5), lins)],
+                 x_of(PREFILL))
+    assert r.counts == {"int_mm_scaled": 2}
+    assert len(set(activations(r))) == 2, r.after
