@@ -4,9 +4,9 @@
 ``benchmarks/tune.py``) by (dtype, M bucket, N, K); an unseen (N, K) takes the bucket's
 tuned default (the config with the best geomean over the tuned shapes), and an
 architecture without a table takes the built-in defaults below; either way a decode
-bucket then splits K to fill the GPU (``derive_split``), and above decode sizes a narrow
-weight takes smaller tiles where the default's leave SMs idle (``fill_large_m``, at the
-call's M). A tuned or derived decode split is
+bucket then splits K to fill the GPU (``derive_split``), and above the pointer-load buckets
+a narrow weight takes smaller tiles where the default's leave SMs idle (``fill_large_m``, at
+a static M). A tuned or derived decode split is
 dropped for compiled code outside CUDA graphs (``decode_unsplit``). ``bucket_choices`` gives
 every bucket's config for one (N, K), for a launch whose M is only known at run time.
 Nothing is timed at run time, so the ops stay cheap to call and capture into CUDA graphs.

@@ -28,7 +28,7 @@ from .quantize_in import NAME as QUANTIZED_IN, quantize_in_gemv
 from .patterns import PATTERNS
 from .rewrite import emit
 from .route import ROUTED, needs_route, route
-from .share import share_activations
+from .share import NAME as SHARED, share_activations
 
 log = logging.getLogger("fusepass.pass")
 
@@ -81,6 +81,9 @@ class PassConfig:
     # program reads the row twice more) o_proj's alone went 1.46x -> 1.44x, both 1.46x -> 1.20x
     # (4 rows a gated program, before gemv_gated_config's 16).
     quantize_in_gemv: bool | None = None
+    # Fused calls whose operands are copies of one value (each hand-written linear quantizing
+    # the same input itself) read the earliest copy (passes/share.py); False keeps the copies.
+    share_activations: bool = True
 
     def __post_init__(self):
         unknown = set(self.patterns) - set(PATTERNS)
@@ -164,9 +167,10 @@ class FusePass(CustomGraphPass):
             count(QUANTIZED_IN)
             log.debug("fusepass: %s quantizes its activation in its own launch", name)
         # Last, so that an in-launch quantization (one user a row) still finds its row: the
-        # copies of one quantization that no join, group or launch took (not counted)
-        shared = share_activations(graph)
-        for name in shared:
+        # copies of one quantization that no join, group or launch took
+        shared = self.config.share_activations and share_activations(graph)
+        for name in shared or ():
+            count(SHARED)
             log.debug("fusepass: %s reads an earlier copy of its quantized activation", name)
         if quantized or shared:
             graph.eliminate_dead_code()

@@ -27,6 +27,8 @@ import torch.fx as fx
 from .._compat import OpOverload
 from .group import value_ids
 
+NAME = "shared_activation"
+
 
 def _fused(node: fx.Node) -> bool:
     return node.op == "call_function" and isinstance(node.target, OpOverload) and node.target.namespace == "fusepass"

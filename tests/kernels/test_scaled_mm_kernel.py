@@ -242,7 +242,8 @@ def test_select_config_fills_at_the_calls_m(table_dir, monkeypatch):
     (table_dir / "sm90.json").write_text(json.dumps({"shapes": {}, "defaults": {
         f"int8,{configs.bucket_name(b)}": {"config": wide.as_dict()} for b in range(len(configs.M_BUCKETS))}}))
     monkeypatch.setattr(configs, "device_arch", lambda device: "sm90")
-    device = torch.device("cuda", 0)  # (device_arch replaced; sm_count gives 132 without a GPU)
+    monkeypatch.setattr(configs, "sm_count", lambda device: 132)  # (whatever GPU runs the test)
+    device = torch.device("cuda", 0)
     assert configs.select_config(2048, 1024, 4096, torch.int8, device) == configs.LARGE_M_FILL
     assert configs.select_config(4096, 1024, 4096, torch.int8, device) == wide
     assert configs.select_config(2047, 1024, 4096, torch.int8, device) == configs.LARGE_M_FILL

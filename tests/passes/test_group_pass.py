@@ -112,9 +112,12 @@ return [getitem, getitem_1, getitem_2]""")
 
 
 class TestMustNotGroup(expecttest.TestCase):
-    def assert_apart(self, r, fused=3):
+    def assert_apart(self, r, fused=3, shared=None):
+        """No group; ``shared`` of the calls (all but the first, by default) read the first's
+        copy of their activation's quantization (passes/share.py)."""
         self.assertEqual(grouped_calls(r), [])
-        self.assertEqual(r.counts, {"int_mm_scaled": fused})
+        shared = fused - 1 if shared is None else shared
+        self.assertEqual(r.counts, {"int_mm_scaled": fused, **({"shared_activation": shared} if shared else {})})
 
     def test_above_group_max_m(self):
         self.assert_apart(run(Siblings(), x_of(17)))
@@ -132,7 +135,7 @@ class TestMustNotGroup(expecttest.TestCase):
     def test_different_activations(self):
         model = Siblings()
         self.assert_apart(run(lambda x, y: [model.linears[0](x), model.linears[1](y), model.linears[2](x * 2)],
-                              x_of(1), x_of(1, seed=2)))
+                              x_of(1), x_of(1, seed=2)), shared=0)
 
     def test_different_out_dtypes(self):
         model = Siblings(widths=(16, 16))
@@ -140,7 +143,7 @@ class TestMustNotGroup(expecttest.TestCase):
         def f(x):
             return model.linears[0](x), model.linears[1](x.float())  # fp32 in, fp32 out
 
-        self.assert_apart(run(f, x_of(2)), fused=2)
+        self.assert_apart(run(f, x_of(2)), fused=2, shared=0)
 
     def test_not_where_decode_splits_k(self):
         """Inside Inductor's CUDA graphs (and for code its caller captures) decode launches
@@ -208,7 +211,7 @@ class TestGroupsStayValid(expecttest.TestCase):
         r = run_pass(lambda x, w0, s0, w1, s1: (_lin(x, (w0, s0)), _lin(x, (w1, s1))), x_of(1).float(),
                      w0, s0, w1, s1, dynamic=True)
         self.assertEqual(grouped_calls(r), [])
-        self.assertEqual(r.counts, {"int_mm_scaled": 2})
+        self.assertEqual(r.counts, {"int_mm_scaled": 2, "shared_activation": 1})
 
     def test_no_cycle_between_two_groups(self):
         """{a, b} of x and {c, d} of y, where c's bias needs a and b's needs d: both groups

@@ -104,7 +104,7 @@ def test_ranges_that_do_not_touch_are_not_joined():
     _, members = _joint([16, 16, 16], Act("int8"))
     model, x = Siblings([members[0], members[2]], [0, 0]), _x()
     r = run_pass(model, x)
-    assert r.counts == {"dequant_mm": 2}, r.counts
+    assert r.counts == {"dequant_mm": 2, "shared_activation": 1}, r.counts
     assert _calls(r.after) == 2
 
 
@@ -119,7 +119,7 @@ def test_separate_buffers_are_not_joined():
     _, (a,) = _joint([16], Act("int8"), seed=1)
     _, (b,) = _joint([16], Act("int8"), seed=2)
     r = run_pass(Siblings([a, b], [0, 0]), _x())
-    assert r.counts == {"dequant_mm": 2}, r.counts
+    assert r.counts == {"dequant_mm": 2, "shared_activation": 1}, r.counts
 
 
 def test_negative_bounds_are_not_joined():
@@ -161,7 +161,7 @@ def test_blockwise_scales_from_another_buffer_are_not_joined():
     joint, (a, b) = _joint([256, 128], FP8_BLOCK)
     other = Joint(joint.weight, joint.weight_scale.clone())
     r = run_pass(Siblings([a, W8A8Linear(other, 256, 384, FP8_BLOCK)], [0, 0]), _x(1, k=BK))
-    assert r.counts == {"dequant_mm_blockwise": 2}, r.counts
+    assert r.counts == {"dequant_mm_blockwise": 2, "shared_activation": 1}, r.counts
 
 
 def test_join_off_in_the_config():
@@ -169,4 +169,4 @@ def test_join_off_in_the_config():
 
     _, members = _joint([16, 16], Act("int8"))
     r = run_pass(Siblings(members, [0, 0]), _x(m=32), config=PassConfig(join_siblings=False))
-    assert r.counts == {"dequant_mm": 2}, r.counts
+    assert r.counts == {"dequant_mm": 2, "shared_activation": 1}, r.counts

@@ -21,12 +21,20 @@ def activations(r) -> list[str]:
 
 def test_prefill_siblings_read_one_quantization():
     r = run_pass(Siblings(), x_of(PREFILL))
-    assert r.counts == {"int_mm_scaled": 3}
+    assert r.counts == {"int_mm_scaled": 3, "shared_activation": 2}
     calls = activations(r)
     assert len(calls) == 3 and len(set(calls)) == 1, r.after
     assert r.before.count("aten.amax(") == 3
     assert r.after.count("aten.amax(") == 1  # the other two copies went dead
     assert r.after.count("aten.round(") == 1
+
+
+def test_turned_off_in_the_config():
+    from fusepass.passes import PassConfig
+
+    r = run_pass(Siblings(), x_of(PREFILL), config=PassConfig(share_activations=False))
+    assert r.counts == {"int_mm_scaled": 3}
+    assert len(set(activations(r))) == 3 and r.after.count("aten.amax(") == 3
 
 
 def test_same_values_as_each_linear_compiled_alone():
@@ -113,5 +121,5 @@ def test_one_input_quantized_with_other_constants_stays_apart():
     lins = Siblings(widths=(16, 16)).linears
     r = run_pass(lambda x: [_int8_linear(d)(x, lin.wq, lin.ws) for d, lin in zip((127.0, 127.5), lins)],
                  x_of(PREFILL))
-    assert r.counts == {"int_mm_scaled": 2}
+    assert r.counts == {"int_mm_scaled": 2}  # (no shared_activation)
     assert len(set(activations(r))) == 2, r.after
