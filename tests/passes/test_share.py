@@ -110,9 +110,10 @@ def test_siblings_quantizing_in_their_m1_launches_keep_their_rows():
 
 def _int8_linear(divisor):
     """A hand-written int8 linear whose activation scale is amax / ``divisor``."""
+    from fusepass.ops.dynamic import quantize_rows
+
     def linear(x, wq, ws):
-        xs = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / divisor
-        xq = (x.float() / xs).round().clamp(-128, 127).to(torch.int8)
+        xq, xs = quantize_rows(x, torch.int8, divisor, 1e-8)
         return (torch._int_mm(xq, wq.t()).float() * xs * ws).to(x.dtype)
     return linear
 
