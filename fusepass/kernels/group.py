@@ -12,11 +12,13 @@ Why: a default-mode compiled decode step is host-bound, and each launch costs ho
 (a Llama layer's q, k and v are three launches; here one). It also fills the GPU where a
 small weight alone would not (k_proj's N = 1024 gives 16 tiles of 64 columns).
 
-Decode sizes only: pointer loads (``POINTER_LOADS_MAX_M``), no split-K (one launch is the
-point), and the epilogue variants the members share (scale granularity, bias); no zero
-point. At M = 1 with the weights as stored (``b = w.t()``, columns contiguous along K) each
-program reduces rows of a member's b.T instead, ``gemv.py``'s loop (``GEMV``): the members
-then run as their joined weight would. ``group_launch.py`` chooses the config and launches it.
+Decode sizes only: pointer loads (``POINTER_LOADS_MAX_M``), the joined weight's split of K
+where the launch may split (``scaled_mm.split_k_sum``: each member's tiles take tickets of
+their own, and its slices a slab of the partial buffer), and the epilogue variants the
+members share (scale granularity, bias); no zero point. At M = 1 with the weights as stored
+(``b = w.t()``, columns contiguous along K) each program reduces rows of a member's b.T
+instead, ``gemv.py``'s loop (``GEMV``): the members then run as their joined weight would.
+``group_launch.py`` chooses the config and launches it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .gemv import gemv_rows
-from .scaled_mm import _epilogue, pointer_mainloop
+from .scaled_mm import _epilogue, pointer_mainloop, split_k_sum
 
 
 @triton.jit
@@ -33,11 +35,14 @@ def _member_tile(
     pid_m, pid_n,  # this program's tile of the member's (M, N_i) output
     a_ptr, b_ptr, out_ptr,  # (M, K), (K, N_i), (M, N_i) contiguous
     scale_a_ptr, scale_b_ptr, bias_ptr,  # (M,) or (1,), (N_i,) or (1,), (N_i,) or None
+    partial_ptr, tickets_ptr,  # SPLIT_K > 1: all members' (SPLIT_K, M, N_i) slabs; a ticket a tile
+    col0,  # the members' columns before this one's: where its slab starts, in (SPLIT_K, M) rows
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn,
     SCALE_A_PER_TOKEN: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     GEMV: tl.constexpr,  # M = 1, b's columns contiguous along K: gemv.py's main loop
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,  # not GEMV: programs along K (grid axis 1)
     DP4A: tl.constexpr,  # GEMV: gemv_rows' DP4A
 ):
     if GEMV:  # (BLOCK_N rows of b.T; BLOCK_M is 1)
@@ -55,14 +60,24 @@ def _member_tile(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = pointer_mainloop(acc, a_ptr, b_ptr, offs_m, offs_n, 0, tl.cdiv(K, BLOCK_K), K,
+        # This program's slice of K, in whole blocks, as scaled_mm_kernel's
+        k_blocks = tl.cdiv(K, BLOCK_K)
+        blocks_per_split = tl.cdiv(k_blocks, SPLIT_K)
+        k_first = tl.program_id(1) * blocks_per_split
+        k_end = tl.minimum(k_first + blocks_per_split, k_blocks)
+        acc = pointer_mainloop(acc, a_ptr, b_ptr, offs_m, offs_n, k_first, k_end, K,
                                stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K)
-        x = _epilogue(acc, offs_m, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
-                      SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        tl.store(out_ptr + rows[:, None] * N + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
+        last = True
+        if SPLIT_K > 1:
+            slab = partial_ptr + tl.cast(M, tl.int64) * col0 * SPLIT_K
+            last, acc = split_k_sum(acc, slab, tickets_ptr, rows, cols, mask, M, N, SPLIT_K)
+        if last:
+            x = _epilogue(acc, offs_m, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
+                          SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -75,6 +90,9 @@ def scaled_mm_group_kernel(
     out0_ptr, out1_ptr, out2_ptr, out3_ptr,
     scale_b0_ptr, scale_b1_ptr, scale_b2_ptr, scale_b3_ptr,
     bias0_ptr, bias1_ptr, bias2_ptr, bias3_ptr,
+    # Split K: (SPLIT_K, M, N_i) slabs, member after member, and one zeroed int32 ticket a
+    # tile (grid axis 0); None unsplit
+    partial_ptr, tickets_ptr,
     # Sizes
     M, K,
     N0, N1, N2, N3,
@@ -88,6 +106,7 @@ def scaled_mm_group_kernel(
     GEMV: tl.constexpr,  # M = 1 with b's columns contiguous along K: rows of b.T (gemv.py)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,  # not GEMV: programs along K (grid axis 1)
     DP4A: tl.constexpr = False,  # GEMV, int8, EVEN_K, every member's rows word-aligned (launch.dp4a_rows)
 ):
     # Tile t of the members' column tiles, laid end to end; M's tiles of one column tile
@@ -100,18 +119,22 @@ def scaled_mm_group_kernel(
     end2 = end1 + tl.cdiv(N2, BLOCK_N)
     if t < end0:
         _member_tile(pid_m, t, a_ptr, b0_ptr, out0_ptr, scale_a_ptr, scale_b0_ptr, bias0_ptr,
+                     partial_ptr, tickets_ptr, 0,
                      M, N0, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DP4A)
+                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_K, DP4A)
     elif t < end1:
         _member_tile(pid_m, t - end0, a_ptr, b1_ptr, out1_ptr, scale_a_ptr, scale_b1_ptr, bias1_ptr,
+                     partial_ptr, tickets_ptr, N0,
                      M, N1, K, stride_am, stride_ak, stride_bk, stride_bn,
-                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DP4A)
+                     SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_K, DP4A)
     elif MEMBERS >= 3:
         if t < end2:
             _member_tile(pid_m, t - end1, a_ptr, b2_ptr, out2_ptr, scale_a_ptr, scale_b2_ptr, bias2_ptr,
+                         partial_ptr, tickets_ptr, N0 + N1,
                          M, N2, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DP4A)
+                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_K, DP4A)
         elif MEMBERS >= 4:
             _member_tile(pid_m, t - end2, a_ptr, b3_ptr, out3_ptr, scale_a_ptr, scale_b3_ptr, bias3_ptr,
+                         partial_ptr, tickets_ptr, N0 + N1 + N2,
                          M, N3, K, stride_am, stride_ak, stride_bk, stride_bn,
-                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DP4A)
+                         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, GEMV, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SPLIT_K, DP4A)

@@ -4,8 +4,9 @@
 
 The config is the tuned one of the fused weight the members make together, (M, sum N_i, K):
 that is the GEMM the launch runs (Llama-3-8B's q/k/v make the 6144 x 4096 weight the table
-has). Unsplit and with pointer loads, whatever the table says for that shape (``group.py``);
-at M = 1 with the weights as stored, the M = 1 kernel's rows (``configs.gemv_config``).
+has), with its split of K where a decode launch may split (``launch.decode_splits``) and
+pointer loads, whatever the table says for that shape (``group.py``); at M = 1 with the
+weights as stored, the M = 1 kernel's rows (``configs.gemv_config``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .configs import Config, cdiv, fit, gemv_config, gemv_fills, select_config, sm_count
 from .direct import launcher
 from .group import scaled_mm_group_kernel
-from .launch import INTERPRETED, _flat, _per_element, _traced, dp4a_rows, gemv_allowed, on_device
+from .launch import (INTERPRETED, _flat, _per_element, _traced, decode_splits, dp4a_rows, gemv_allowed, on_device,
+                     split_k_buffers)
 
 MAX_MEMBERS = 4  # the kernel's member arguments
 
@@ -39,13 +41,15 @@ def takes_gemv(M: int, Ns: list, k_contiguous: bool, device) -> bool:
     return M == 1 and k_contiguous and gemv_fills(sum(Ns), device)
 
 
-def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device, *, k_contiguous: bool) -> Config:
-    """The tuned config of (M, sum(Ns), K), unsplit, pointer loads, fitted to the widest member;
-    ``gemv_config``'s for the joined width where the group ``takes_gemv``."""
+def group_config(M: int, Ns: list, K: int, dtype: torch.dtype, device, *, k_contiguous: bool,
+                 split_decode: bool = True) -> Config:
+    """The tuned config of (M, sum(Ns), K) with pointer loads, fitted to the widest member
+    (``split_decode`` as in ``select_config``); ``gemv_config``'s for the joined width where
+    the group ``takes_gemv``."""
     if takes_gemv(M, Ns, k_contiguous, device):
         return gemv_config(sum(Ns), K, sm_count(device), dtype)
-    cfg = select_config(M, sum(Ns), K, dtype, device, split_decode=False)
-    return fit(replace(cfg, split_k=1, tma=False), max(Ns), K)
+    cfg = select_config(M, sum(Ns), K, dtype, device, split_decode=split_decode)
+    return fit(replace(cfg, tma=False, persistent=False), max(Ns), K)
 
 
 def launch_scaled_mm_group(
@@ -69,7 +73,8 @@ def launch_scaled_mm_group(
     if not all(map(is_concrete_int, (M, K, *Ns))):
         raise ValueError("fusepass.scaled_mm_group: sizes must be static (the pass groups static decode sizes)")
     cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device,
-                                 k_contiguous=bs[0].stride(0) == 1)
+                                 k_contiguous=bs[0].stride(0) == 1,
+                                 split_decode=decode_splits(fake, symbolic_m=False))
     if cfg.gemv and not gemv_allowed(a, bs[0]):
         raise ValueError(f"a gemv config needs M = 1 and weights contiguous along K, got M = {M}, "
                          f"strides {tuple(bs[0].stride())}")
@@ -77,8 +82,11 @@ def launch_scaled_mm_group(
     scale_bs = [_flat(s, fake) for s in scale_bs]
     biases = [_flat(b, fake) for b in biases]
     pad = [None] * (MAX_MEMBERS - len(bs))
-    grid = (cdiv(M, cfg.block_m) * sum(cdiv(N, cfg.block_n) for N in Ns),)
+    split_k = 1 if cfg.gemv else cfg.split_k
+    grid = (cdiv(M, cfg.block_m) * sum(cdiv(N, cfg.block_n) for N in Ns), split_k)
     even_k = statically_known_true(K % cfg.block_k == 0)
+    acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
+    partial, tickets = split_k_buffers(split_k, grid[0], M, sum(Ns), acc_dtype, a.device, fake)
 
     def launch():
         launcher(scaled_mm_group_kernel, fake)[grid](
@@ -87,6 +95,7 @@ def launch_scaled_mm_group(
             *outs, *pad,
             *scale_bs, *pad,
             *biases, *pad,
+            partial, tickets,
             M, K,
             *Ns, *([0] * len(pad)),
             a.stride(0), a.stride(1),
@@ -98,6 +107,7 @@ def launch_scaled_mm_group(
             GEMV=cfg.gemv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_K=even_k,
+            SPLIT_K=split_k,
             DP4A=cfg.gemv and all(dp4a_rows(b, cfg.block_k, even_k, fake) for b in bs),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -66,8 +66,8 @@ class PassConfig:
     # pass makes.)
     split_k_outside_cuda_graphs: bool = False
     # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v) at a static M up to this
-    # run as one scaled_mm_group launch (passes/group.py); where decode launches split K
-    # (inside CUDA graphs) only at M = 1 on the M = 1 kernel's rows; 0 turns grouping off.
+    # run as one scaled_mm_group launch (passes/group.py), split as their joined weight would
+    # be where decode launches split K (inside CUDA graphs); 0 turns grouping off.
     group_max_m: int = 16
     # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
     # buffers) run as one matmul over their union (passes/join.py), at every M.
@@ -150,12 +150,9 @@ class FusePass(CustomGraphPass):
         for names in joined or ():
             count(JOINED)
             log.debug("fusepass: %s run as one matmul over their shared weight buffer", ", ".join(names))
-        # Where decode launches split K (inside Inductor's CUDA graphs, or where the caller
-        # captures) only groups on the M = 1 kernel's rows: the group has no split, and the
-        # members' tuned splits fill the GPU where the group's tiles would not.
         captured = self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False)
         if self.config.group_max_m > 0:
-            for names in group_siblings(graph, self.config.group_max_m, gemv_only=captured):
+            for names in group_siblings(graph, self.config.group_max_m):
                 count(GROUPED)
                 log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
         changed = joined or any(d.fused or d.rerouted for d in decisions)

@@ -11,12 +11,10 @@ Becomes: one ``fusepass.scaled_mm_group`` call per 2 to 4 such calls (in graph o
 member's users reading its item of the result; the copies of the quantization then go dead.
 
 Why: a default-mode decode step is host-bound, and a launch costs host time; the group is
-one launch where there were 2-4 (a Llama layer's q/k/v: 3 of its 7 GEMM launches).
-Prefill sizes keep their own tuned launches (``scaled_mm``'s TMA and split configs). Where
-decode launches split K (inside CUDA graphs: ``launch.decode_splits``) only groups that run
-the M = 1 kernel's rows do (``gemv_only``: one row, weights as stored, a joined width that
-fills the GPU): there the members' tuned splits fill the GPU where the group's tiles would not,
-but the rows read the members as the joined weight of ``fusepass.prepare`` does.
+one launch where there were 2-4 (a Llama layer's q/k/v: 3 of its 7 GEMM launches). Inside
+CUDA graphs, where decode launches split K (``launch.decode_splits``), the group takes the
+split of the weight the members would make joined, and so runs as ``fusepass.prepare``'s
+joined weight does. Prefill sizes keep their own tuned launches (``scaled_mm``'s TMA configs).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .._compat import OpOverload, schema, stable_topological_sort
-from ..kernels.group_launch import MAX_MEMBERS, launch_variant, takes_gemv
+from ..kernels.group_launch import MAX_MEMBERS, launch_variant
 from .graph import Inserter, tensor_val
 
 fusepass = torch.ops.fusepass
@@ -122,16 +120,9 @@ def _replace(graph: fx.Graph, members: list) -> None:
         graph.erase_node(member)
 
 
-def _takes_gemv(members: list) -> bool:
-    a, b = tensor_val(members[0].args[0]), tensor_val(members[0].args[1])
-    Ns = [int(tensor_val(m.args[1]).shape[1]) for m in members]
-    return takes_gemv(int(a.shape[0]), Ns, b.stride(0) == 1, a.device)
-
-
-def group_siblings(graph: fx.Graph, max_m: int, gemv_only: bool = False) -> list[list[str]]:
+def group_siblings(graph: fx.Graph, max_m: int) -> list[list[str]]:
     """Replace each group of sibling ``scaled_mm`` calls (see the module docstring) by one
-    ``scaled_mm_group`` call, ``gemv_only``: only groups that run the M = 1 kernel's rows;
-    returns the names of the calls grouped, per group."""
+    ``scaled_mm_group`` call; returns the names of the calls grouped, per group."""
     calls = [n for n in graph.find_nodes(op="call_function", target=fusepass.scaled_mm.default)]
     if len(calls) < 2:
         return []
@@ -151,7 +142,7 @@ def group_siblings(graph: fx.Graph, max_m: int, gemv_only: bool = False) -> list
             siblings.sort(key=position.__getitem__)
             members = _independent(siblings)[:MAX_MEMBERS]
             siblings = [s for s in siblings if s not in members]
-            if len(members) >= 2 and not (gemv_only and not _takes_gemv(members)):
+            if len(members) >= 2:
                 done.append([m.name for m in members])
                 _replace(graph, members)
                 stable_topological_sort(graph)

@@ -56,9 +56,35 @@ def test_many_tiles_per_member():
         torch.testing.assert_close(out, launch_scaled_mm(a, p.b, scale_a, p.scale_b, torch.float32), rtol=0, atol=0)
 
 
-def test_config_is_the_fused_weights_unsplit_with_pointer_loads():
-    cfg = group_config(16, [4096, 1024, 1024], 4096, torch.int8, torch.device(DEVICE), k_contiguous=True)
-    assert cfg.split_k == 1 and not cfg.tma and not cfg.gemv
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_sums_each_members_slices(dtype, split_k):
+    """K split over programs: each member's slices in its own slab of the partial buffer, its
+    tiles' tickets apart from the others'; bit for bit the plain kernel's split (5 K blocks in
+    4 splits: the last one empty)."""
+    Ns, K = [40, 100, 24], 130
+    a, scale_a, problems = _members(5, Ns, K, dtype, 0)
+    cfg = configs.Config(16, 32, 32, split_k=split_k)
+    outs = launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
+                                  torch.bfloat16, [p.bias for p in problems], config=cfg)
+    for out, p in zip(outs, problems):
+        want = launch_scaled_mm(a, p.b, scale_a, p.scale_b, torch.bfloat16, p.bias, config=cfg)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        unsplit = launch_scaled_mm(a, p.b, scale_a, p.scale_b, torch.bfloat16, p.bias,
+                                   config=dataclasses.replace(cfg, split_k=1))
+        exact = dict(rtol=0, atol=0) if dtype == torch.int8 else {}  # (int32 sums: in any order)
+        torch.testing.assert_close(out, unsplit, **exact)
+
+
+def test_config_is_the_fused_weights_with_pointer_loads():
+    """The joined weight's config: its tuned or derived split where a decode launch may split
+    (every M <= 16 bucket here: the built-in tiles leave the SMs idle), none where it may not."""
+    cpu = torch.device("cpu")
+    qkv = (16, [4096, 1024, 1024], 4096, torch.int8, cpu)
+    cfg = group_config(*qkv, k_contiguous=True)
+    assert cfg == configs.select_config(16, 6144, 4096, torch.int8, cpu) and cfg.split_k > 1
+    assert group_config(*qkv, k_contiguous=True, split_decode=False).split_k == 1
+    assert not group_config(64, [4096, 1024, 1024], 4096, torch.int8, cpu, k_contiguous=True).tma
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])

@@ -110,6 +110,27 @@ return [getitem, getitem_1, getitem_2]""")
         self.assertEqual(grouped_calls(run(Siblings(widths=(16,) * 6), x_of(2))), [4, 2])
         self.assertEqual(grouped_calls(run(Siblings(widths=(16,) * 5), x_of(2))), [4])
 
+    def test_also_where_decode_splits_k(self):
+        """Inside Inductor's CUDA graphs (and for code its caller captures) decode launches split
+        K; the group takes the split of the weight its members make joined (the kernel's
+        split-K), so siblings group there too: M = 1 and 2, weights stored (N, K) or (K, N)."""
+        from tests.models import quantize_rows
+
+        ws = [(q.t().contiguous(), s) for q, s in _weights(1024, 1024, 1024)]  # (K, N), one stride pair
+
+        def stored_k_by_n(x):
+            outs = []
+            for w, s in ws:
+                xq, xs = quantize_rows(x, torch.int8)
+                outs.append(torch._int_mm(xq, w).float() * xs * s)
+            return outs
+
+        for model, x in ((Siblings(), x_of(1)), (Siblings((2048, 512, 512)), x_of(2)), (stored_k_by_n, x_of(1))):
+            one_group = {"int_mm_scaled": 3, "scaled_mm_group": 1}
+            self.assertEqual(run(model, x, split_k_outside_cuda_graphs=True).counts, one_group)
+            with torch._inductor.config.patch({"triton.cudagraphs": True}):
+                self.assertEqual(run(model, x).counts, one_group)
+
 
 class TestMustNotGroup(expecttest.TestCase):
     def assert_apart(self, r, fused=3, shared=None):
@@ -144,41 +165,6 @@ class TestMustNotGroup(expecttest.TestCase):
             return model.linears[0](x), model.linears[1](x.float())  # fp32 in, fp32 out
 
         self.assert_apart(run(f, x_of(2)), fused=2, shared=0)
-
-    def test_not_where_decode_splits_k(self):
-        """Inside Inductor's CUDA graphs (and for code its caller captures) decode launches
-        split K, which the group's tiles cannot: the members keep their own launches."""
-        self.assert_apart(run(Siblings(), x_of(1), split_k_outside_cuda_graphs=True))
-        with torch._inductor.config.patch({"triton.cudagraphs": True}):
-            self.assert_apart(run(Siblings(), x_of(1)))
-        self.assert_apart(run(Siblings((2048, 512, 512)), x_of(2), split_k_outside_cuda_graphs=True))
-
-    def test_weights_stored_k_by_n_stay_apart_where_decode_splits_k(self):
-        """The M = 1 rows need the weights as stored (N, K): stored (K, N), the members keep
-        their own split launches inside CUDA graphs."""
-        from tests.models import quantize_rows
-
-        ws = [(q.t().contiguous(), s) for q, s in _weights(1024, 1024, 1024)]  # (K, N), one stride pair
-
-        def f(x):
-            outs = []
-            for w, s in ws:
-                xq, xs = quantize_rows(x, torch.int8)
-                outs.append(torch._int_mm(xq, w).float() * xs * s)
-            return outs
-
-        self.assert_apart(run(f, x_of(1), split_k_outside_cuda_graphs=True), fused=3)
-        # (outside CUDA graphs: one group, on the tiles)
-        self.assertEqual(run(f, x_of(1)).counts, {"int_mm_scaled": 3, "scaled_mm_group": 1})
-
-    def test_one_row_on_the_gemv_rows_also_where_decode_splits_k(self):
-        """At M = 1 with weights as stored and a joined width that fills the GPU (3072 rows:
-        384 programs of 8, at least 2 a SM on 132 SMs), the group runs the M = 1 kernel's rows,
-        as the joined weight would: grouped inside CUDA graphs too."""
-        for config in (dict(split_k_outside_cuda_graphs=True), {}):
-            with torch._inductor.config.patch({"triton.cudagraphs": not config}):
-                r = run(Siblings((2048, 512, 512)), x_of(1), **config)
-            self.assertEqual(grouped_calls(r), [3])
 
 
 def _lin(x, w, bias=None):
