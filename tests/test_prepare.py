@@ -138,9 +138,9 @@ def test_prepare_join_false_keeps_a_buffer_per_linear(bf16_model):
     assert len(report.converted) == LINEARS and not report.joined
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.joint is not attn.k_proj.joint
-    _, counts, _ = _graph_counts(model, dict(input_ids=models.prompt(bf16_model, 4, 8, seed=3)))  # (M = 32: no groups)
-    # (each layer's k, v and up read q's and gate's copy of their input's quantization)
-    assert JOINED not in counts and counts == {"dequant_mm": LINEARS, "shared_activation": 3 * SIZES.layers}
+    _, counts, _ = _graph_counts(model, dict(input_ids=models.prompt(bf16_model, 4, 8, seed=3)))  # (M = 32)
+    # unjoined, each layer's q/k/v and gate/up run as one grouped launch
+    assert JOINED not in counts and counts == {"dequant_mm": LINEARS, "scaled_mm_group": 2 * SIZES.layers}
 
 
 def test_prepare_fp8_per_row_weights():

@@ -141,8 +141,9 @@ class TestMustNotGroup(expecttest.TestCase):
         self.assertEqual(r.counts, {"int_mm_scaled": fused, **({"shared_activation": shared} if shared else {})})
 
     def test_above_group_max_m(self):
-        self.assert_apart(run(Siblings(), x_of(17)))
-        self.assertEqual(grouped_calls(run(Siblings(), x_of(17), group_max_m=32)), [3])
+        self.assert_apart(run(Siblings(), x_of(65)))
+        self.assertEqual(grouped_calls(run(Siblings(), x_of(17), group_max_m=16)), [])
+        self.assertEqual(grouped_calls(run(Siblings(), x_of(65), group_max_m=128)), [3])
 
     def test_turned_off(self):
         self.assert_apart(run(Siblings(), x_of(1), group_max_m=0))

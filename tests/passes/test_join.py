@@ -9,12 +9,14 @@ whose weight scale is cut by rows of 128x128 blocks.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 from fusepass.integrations.linear import Act, Joint, W8A8Linear
+from fusepass.passes import PassConfig
 from fusepass.passes.join import NAME as JOINED
 
 from tests.passes.harness import run_pass
@@ -52,6 +54,10 @@ class Siblings(nn.Module):
 
     def forward(self, *xs):
         return [m(xs[i]) for m, i in zip(self.members, self.inputs, strict=True)]
+
+
+# Where a join does not take siblings at _x's 32 rows, a group would (up to group_max_m)
+UNGROUPED = PassConfig(group_max_m=16)
 
 
 def _x(m: int = 32, seed: int = 1, k: int = K):
@@ -103,7 +109,7 @@ def test_siblings_in_any_order_join_over_the_union():
 def test_ranges_that_do_not_touch_are_not_joined():
     _, members = _joint([16, 16, 16], Act("int8"))
     model, x = Siblings([members[0], members[2]], [0, 0]), _x()
-    r = run_pass(model, x)
+    r = run_pass(model, x, config=UNGROUPED)
     assert r.counts == {"dequant_mm": 2, "shared_activation": 1}, r.counts
     assert _calls(r.after) == 2
 
@@ -118,7 +124,7 @@ def test_siblings_on_different_activations_are_not_joined():
 def test_separate_buffers_are_not_joined():
     _, (a,) = _joint([16], Act("int8"), seed=1)
     _, (b,) = _joint([16], Act("int8"), seed=2)
-    r = run_pass(Siblings([a, b], [0, 0]), _x())
+    r = run_pass(Siblings([a, b], [0, 0]), _x(), config=UNGROUPED)
     assert r.counts == {"dequant_mm": 2, "shared_activation": 1}, r.counts
 
 
@@ -165,8 +171,6 @@ def test_blockwise_scales_from_another_buffer_are_not_joined():
 
 
 def test_join_off_in_the_config():
-    from fusepass.passes import PassConfig
-
     _, members = _joint([16, 16], Act("int8"))
-    r = run_pass(Siblings(members, [0, 0]), _x(m=32), config=PassConfig(join_siblings=False))
+    r = run_pass(Siblings(members, [0, 0]), _x(m=32), config=replace(UNGROUPED, join_siblings=False))
     assert r.counts == {"dequant_mm": 2, "shared_activation": 1}, r.counts

@@ -7,11 +7,18 @@ import re
 
 import torch
 
+from fusepass.passes import PassConfig
 from tests.passes.harness import run_pass
 from tests.passes.test_group_pass import Siblings, x_of
 
 F = torch.nn.functional
-PREFILL = 32  # rows: above PassConfig.group_max_m, so no group takes one activation for them
+PREFILL = 32  # rows: above the group bound below, so no group takes one activation for them
+
+
+def share(fn, *args, dynamic=None, **config):
+    """``run_pass`` with siblings grouped up to M = 16 only (fp8 above PassConfig.fp8_max_m's
+    64 rows would take cuBLAS: PREFILL stays below it)."""
+    return run_pass(fn, *args, dynamic=dynamic, config=PassConfig(**{"group_max_m": 16, **config}))
 
 
 def activations(r) -> list[str]:
@@ -20,7 +27,7 @@ def activations(r) -> list[str]:
 
 
 def test_prefill_siblings_read_one_quantization():
-    r = run_pass(Siblings(), x_of(PREFILL))
+    r = share(Siblings(), x_of(PREFILL))
     assert r.counts == {"int_mm_scaled": 3, "shared_activation": 2}
     calls = activations(r)
     assert len(calls) == 3 and len(set(calls)) == 1, r.after
@@ -30,9 +37,7 @@ def test_prefill_siblings_read_one_quantization():
 
 
 def test_turned_off_in_the_config():
-    from fusepass.passes import PassConfig
-
-    r = run_pass(Siblings(), x_of(PREFILL), config=PassConfig(share_activations=False))
+    r = share(Siblings(), x_of(PREFILL), share_activations=False)
     assert r.counts == {"int_mm_scaled": 3}
     assert len(set(activations(r))) == 3 and r.after.count("aten.amax(") == 3
 
@@ -40,30 +45,30 @@ def test_turned_off_in_the_config():
 def test_same_values_as_each_linear_compiled_alone():
     for dtype in (torch.int8, torch.float8_e4m3fn):
         model, x = Siblings(dtype=dtype, bias=True), x_of(PREFILL)
-        shared = run_pass(model, x)
+        shared = share(model, x)
         assert len(set(activations(shared))) == 1
         for lin, out in zip(model.linears, shared.out, strict=True):
-            alone = run_pass(lin, x)
+            alone = share(lin, x)
             assert len(activations(alone)) == 1
             torch.testing.assert_close(out, alone.out, rtol=0, atol=0)
 
 
 def test_symbolic_m_shares_too():
-    r = run_pass(Siblings(), x_of(PREFILL), dynamic=True)
+    r = share(Siblings(), x_of(PREFILL), dynamic=True)
     assert len(set(activations(r))) == 1 and r.after.count("aten.amax(") == 1
 
 
 def test_different_values_keep_their_own_quantization():
     model = Siblings()
     # another input, a scaled copy of the same input
-    r = run_pass(lambda x, y: [model.linears[0](x), model.linears[1](y), model.linears[2](x * 2)],
+    r = share(lambda x, y: [model.linears[0](x), model.linears[1](y), model.linears[2](x * 2)],
                  x_of(PREFILL), x_of(PREFILL, seed=2))
     assert len(set(activations(r))) == 3 and r.after.count("aten.amax(") == 3
 
 
 def test_int8_and_fp8_quantizations_of_one_input_stay_apart():
     int8, fp8 = Siblings(widths=(16,)), Siblings(widths=(16,), dtype=torch.float8_e4m3fn)
-    r = run_pass(lambda x: [int8.linears[0](x), fp8.linears[0](x)], x_of(PREFILL))
+    r = share(lambda x: [int8.linears[0](x), fp8.linears[0](x)], x_of(PREFILL))
     assert len(set(activations(r))) == 2 and r.after.count("aten.amax(") == 2
 
 
@@ -81,7 +86,7 @@ def test_custom_op_results_are_not_one_value():
     """Two calls of a custom op on one input are two values, however alike (a custom op may
     hide state or randomness): not shared."""
     model = Siblings(widths=(16, 16))
-    r = run_pass(lambda x: [lin(opaque_copy(x)) for lin in model.linears], x_of(PREFILL))
+    r = share(lambda x: [lin(opaque_copy(x)) for lin in model.linears], x_of(PREFILL))
     assert len(set(activations(r))) == 2, r.after
     assert r.after.count("fusepass_test.opaque_copy(") == 2
 
@@ -91,7 +96,6 @@ def test_siblings_quantizing_in_their_m1_launches_keep_their_rows():
     two ungrouped o_proj-style linears of one attention output at M = 1 each quantize it in
     their own launch, with no quantization kernel before them."""
     from fusepass.ops.dynamic import quantize_rows
-    from fusepass.passes import PassConfig
     from tests.passes.test_quantize_in import EPS, H, D, _inputs
 
     def fn(q, k, v, w, sw, w2, sw2):
@@ -104,7 +108,7 @@ def test_siblings_quantizing_in_their_m1_launches_keep_their_rows():
 
     q, k, v, w, sw = _inputs()
     w2, sw2 = _inputs(seed=1)[3:]
-    r = run_pass(fn, q, k, v, w, sw, w2, sw2, config=PassConfig(quantize_in_gemv=True, group_max_m=0))
+    r = share(fn, q, k, v, w, sw, w2, sw2, quantize_in_gemv=True, group_max_m=0)
     assert r.counts == {"dequant_mm": 2, "quantized_in_gemv": 2}, r.counts
 
 
@@ -120,7 +124,7 @@ def _int8_linear(divisor):
 
 def test_one_input_quantized_with_other_constants_stays_apart():
     lins = Siblings(widths=(16, 16)).linears
-    r = run_pass(lambda x: [_int8_linear(d)(x, lin.wq, lin.ws) for d, lin in zip((127.0, 127.5), lins)],
+    r = share(lambda x: [_int8_linear(d)(x, lin.wq, lin.ws) for d, lin in zip((127.0, 127.5), lins)],
                  x_of(PREFILL))
     assert r.counts == {"int_mm_scaled": 2}  # (no shared_activation)
     assert len(set(activations(r))) == 2, r.after
