@@ -1,7 +1,7 @@
 """A sweep of ragged shapes over every tile path and epilogue variant, for compute-sanitizer.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python -m tests.sanitizer_sweep [ops | paths]    # both parts by default
+        python -m tests.sanitizer_sweep [ops | paths | group]    # every part by default
 
 Without the caching allocator every tensor is its own allocation, so a read or write one
 element past an edge is reported. Each case is also checked against the float64 oracle.
@@ -106,18 +106,47 @@ def path_cases() -> int:
     return n
 
 
+# The grouped kernel's tiles at the M it groups (group_max_m: 64), unsplit and split (each
+# member's slab of the partial buffer, its tiles' tickets; 4 splits of K = 33's one block: empty
+# trailing slices).
+GROUP_MS = [1, 7, 16, 17, 64]
+GROUP_PATHS = [Config(16, 64, 128), Config(16, 32, 128, split_k=4), Config(64, 64, 64, split_k=3)]
+
+
+def group_cases() -> int:
+    """The grouped kernel's tiles (three members, the last two ragged) on every GROUP_MS x NK
+    x GROUP_PATHS, the variants without zero points in turn; returns the case count."""
+    n = 0
+    for M, (N, K), cfg in itertools.product(GROUP_MS, NK, GROUP_PATHS):
+        variant = VARIANTS[n % 4]
+        members = [make_problem(M, w, K, device="cuda", seed=n + i, **variant) for i, w in enumerate((N, 17, 24))]
+        a, scale_a = members[0].a, members[0].scale_a
+        outs = launch_scaled_mm_group(a, [p.b for p in members], scale_a, [p.scale_b for p in members],
+                                      torch.float32, [p.bias for p in members], config=cfg)
+        torch.cuda.synchronize()
+        for out, p in zip(outs, members):
+            p.a, p.scale_a = a, scale_a
+            assert_matches_oracle(out, p, torch.float32)
+        n += 1
+    return n
+
+
 def main() -> int:
-    parts = sys.argv[1:] or ["ops", "paths"]
-    unknown = set(parts) - {"ops", "paths"}
+    parts = sys.argv[1:] or ["ops", "paths", "group"]
+    unknown = set(parts) - {"ops", "paths", "group"}
     if unknown:
-        print(f"unknown part(s) {sorted(unknown)}: choose from ops, paths", file=sys.stderr)
+        print(f"unknown part(s) {sorted(unknown)}: choose from ops, paths, group", file=sys.stderr)
         return 2
-    n = (ops_cases() if "ops" in parts else 0) + (path_cases() if "paths" in parts else 0)
-    print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({len(MS)} M x {len(NK)} (N, K) x ({len(VARIANTS)} "
-          f"variants through the ops, {len(PATHS)} forced kernel paths), and the M = 1 kernel on each of "
-          f"{len(GEMV_NK)} (N, K) x variant, alone, grouped without zero points, and quantizing its own row, "
-          f"plain and gated (int8: the quantization then the kernel, to a step where the roundings differ)), "
-          f"all match")
+    n = ((ops_cases() if "ops" in parts else 0) + (path_cases() if "paths" in parts else 0)
+         + (group_cases() if "group" in parts else 0))
+    what = {"ops": f"{len(MS)} M x {len(NK)} (N, K) x {len(VARIANTS)} variants through the ops",
+            "paths": f"{len(PATHS)} forced kernel paths on {len(MS)} M x {len(NK)} (N, K), and the M = 1 kernel on each of "
+                     f"{len(GEMV_NK)} (N, K) x variant, alone, grouped without zero points, and quantizing its "
+                     f"own row, plain and gated (int8: the quantization then the kernel, to a step where the "
+                     f"roundings differ)",
+            "group": f"the grouped tiles on {len(GROUP_MS)} M x {len(NK)} (N, K) x {len(GROUP_PATHS)} configs, "
+                     f"unsplit and split"}
+    print(f"sanitizer sweep ({', '.join(parts)}): {n} cases ({'; '.join(what[p] for p in parts)}), all match")
     return 0
 
 

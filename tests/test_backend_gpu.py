@@ -200,15 +200,18 @@ class _QKV(torch.nn.Module):
 
 @pytest.mark.parametrize("dtype", list(CASES), ids=["int8", "fp8"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_sibling_linears_take_one_launch(dtype, bias):
-    """q/k/v at M = 1: one grouped kernel launch instead of three, the same values as the
-    ungrouped compile (int8: bit for bit, exact int32 sums; fp8: another BLOCK_K may sum in
-    another order), close to the float linears."""
+@pytest.mark.parametrize("rows", [1, 16])
+def test_sibling_linears_take_one_launch(dtype, bias, rows):
+    """q/k/v at M = 1, and at M = 16 where decode launches split K (as inside CUDA graphs: the
+    group takes the joined 3072 x 2048 weight's derived split, 2): one grouped kernel launch
+    instead of three, the same values as the ungrouped compile (int8: bit for bit, exact int32
+    sums; fp8: another BLOCK_K may sum in another order), close to the float linears."""
     import fusepass
     from fusepass.passes import PassConfig
 
-    model = _QKV(dtype, bias=bias).cuda().eval()
-    x = torch.randn(1, 1, 4096, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
+    dim, kv, split = (4096, 1024, {}) if rows == 1 else (2048, 512, dict(split_k_outside_cuda_graphs=True))
+    model = _QKV(dtype, dim, kv, bias=bias).cuda().eval()
+    x = torch.randn(1, rows, dim, generator=torch.Generator().manual_seed(1)).to("cuda", torch.bfloat16)
 
     def compiled(config):
         torch._dynamo.reset()
@@ -217,18 +220,20 @@ def test_sibling_linears_take_one_launch(dtype, bias):
             out, (code, *_) = run_and_get_code(torch.compile(model, backend="fusepass", options=options), x)
         return out, code
 
-    grouped, code = compiled(None)
-    ungrouped, code_ungrouped = compiled(PassConfig(group_max_m=0))
+    grouped, code = compiled(PassConfig(**split))
+    ungrouped, code_ungrouped = compiled(PassConfig(group_max_m=0, **split))
     launches = lambda name, code: len(re.findall(rf"\b{name}\w*\.run\(", code))  # noqa: E731
     assert launches("scaled_mm_group_kernel", code) == 1 and launches("scaled_mm_kernel", code) == 0, code
-    # M = 1: q (N = 4096) on gemv.py's kernel, k and v (N = 1024, too narrow for it) on the tiles
-    assert launches("scaled_gemv_kernel", code_ungrouped) == 1 and launches("scaled_mm_kernel", code_ungrouped) == 2
+    if rows == 1:  # q (N = 4096) on gemv.py's kernel, k and v (N = 1024, too narrow for it) on the tiles
+        assert launches("scaled_gemv_kernel", code_ungrouped) == 1 and launches("scaled_mm_kernel", code_ungrouped) == 2
+    else:  # the group's (split, M, sum N_i) partial slices
+        assert launches("scaled_mm_kernel", code_ungrouped) == 3 and "(2, 16, 3072)" in code, code
     rel = lambda y, ref: ((y.double() - ref).norm() / ref.norm()).item()  # noqa: E731
     for g, u, lin in zip(grouped, ungrouped, (model.q, model.k, model.v)):
         # (eager int8 cannot run: torch._int_mm needs M > 16 on CUDA) the float linear the
         # quantized one approximates
         w = lin.wq.double() * lin.ws.double().t()
-        exact = x.double().reshape(1, -1) @ w.t() + (0 if lin.bias is None else lin.bias.double())
+        exact = x.double().reshape(rows, -1) @ w.t() + (0 if lin.bias is None else lin.bias.double())
         if dtype == torch.int8:
             assert torch.equal(g, u)
-        assert rel(g.reshape(1, -1), u.reshape(1, -1).double()) < 1e-2 and rel(g.reshape(1, -1), exact) < 0.05
+        assert rel(g.reshape(rows, -1), u.reshape(rows, -1).double()) < 1e-2 and rel(g.reshape(rows, -1), exact) < 0.05

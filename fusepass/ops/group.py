@@ -4,8 +4,8 @@
     out[i] = scaled_mm(a, b[i], scale_a, scale_b[i], out_dtype, bias[i])    for each i
 
 as a list of new contiguous [M, N_i] tensors: int8 exactly (exact int32 sums, the same
-epilogue); fp8 up to the order of its fp32 sums (the group's BLOCK_K, unsplit, where a lone
-``scaled_mm`` may take another BLOCK_K or split K).
+epilogue); fp8 up to the order of its fp32 sums (the group's BLOCK_K and split of K, its
+members' joined weight's, where a lone ``scaled_mm`` may take others).
 
 Arguments: ``a``, ``scale_a`` and ``out_dtype`` as for ``scaled_mm`` (int8 or float8_e4m3fn;
 no zero point); ``b``: 2 to 4 weights [K, N_i] of ``a``'s dtype, any strides; ``scale_b``:

@@ -67,10 +67,11 @@ class PassConfig:
     split_k_outside_cuda_graphs: bool = False
     # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v) at a static M up to this
     # run as one scaled_mm_group launch (passes/group.py), split as their joined weight would
-    # be where decode launches split K (inside CUDA graphs); 0 turns grouping off. 64: the
-    # pointer-load buckets (configs.POINTER_LOADS_MAX_M), the group kernel's loads. A 32-layer
-    # hand-written int8 Llama-3-8B, H200, CUDA graphs, batch 64: 1.08x bf16 and prepare's 581
-    # kernels, where grouping up to 16 left 7 GEMM launches a layer and 1.03x (NOTES.md run 30).
+    # be (at M <= 16 where decode launches split K: inside CUDA graphs); 0 turns grouping off.
+    # 64: the pointer-load buckets (configs.POINTER_LOADS_MAX_M), the group kernel's loads. A
+    # 32-layer hand-written int8 Llama-3-8B, H200, CUDA graphs, batch 64: 1.08x bf16 and
+    # prepare's 581 kernels, where grouping up to 16 left 7 GEMM launches a layer and 1.03x
+    # (benchmarks/NOTES.md run 30).
     group_max_m: int = 64
     # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
     # buffers) run as one matmul over their union (passes/join.py), at every M.

@@ -5,16 +5,18 @@ activation scale are the same value (the same node, or nodes computing it by the
 ops from the same inputs: each linear quantizes its input itself, so a Llama layer's q, k
 and v hold three copies of one quantization), with the same ``out_dtype``, weights of one
 layout, one scale granularity and bias or none, at a static M of at most
-``PassConfig.group_max_m``, none computed from another's result.
+``PassConfig.group_max_m`` (fp8: at most ``launch.FP8_CUBLAS_ABOVE_M``, above which its
+launch takes cuBLAS), none computed from another's result.
 
 Becomes: one ``fusepass.scaled_mm_group`` call per 2 to 4 such calls (in graph order), each
 member's users reading its item of the result; the copies of the quantization then go dead.
 
 Why: a default-mode decode step is host-bound, and a launch costs host time; the group is
-one launch where there were 2-4 (a Llama layer's q/k/v: 3 of its 7 GEMM launches). Inside
-CUDA graphs, where decode launches split K (``launch.decode_splits``), the group takes the
-split of the weight the members would make joined, and so runs as ``fusepass.prepare``'s
-joined weight does. Prefill sizes keep their own tuned launches (``scaled_mm``'s TMA configs).
+one launch where there were 2-4 (a Llama layer's q/k/v: 3 of its 7 GEMM launches). The group
+takes the config of the weight the members would make joined, with its split of K (at M <= 16
+only where decode launches split: inside CUDA graphs and eagerly, ``launch.decode_splits``),
+and so runs as ``fusepass.prepare``'s joined weight does. Prefill sizes keep their
+own tuned launches (``scaled_mm``'s TMA configs).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .._compat import OpOverload, schema, stable_topological_sort
 from ..kernels.group_launch import MAX_MEMBERS, launch_variant
+from ..kernels.launch import FP8_CUBLAS_ABOVE_M
 from .graph import Inserter, tensor_val
 
 fusepass = torch.ops.fusepass
@@ -86,6 +89,8 @@ def _group_key(node: fx.Node, ids: dict, max_m: int):
     M = tensor_val(a).shape[0]
     if not is_concrete_int(M) or int(M) > max_m:
         return None
+    if tensor_val(a).dtype != torch.int8 and int(M) > FP8_CUBLAS_ABOVE_M:
+        return None  # (its own launch takes cuBLAS there, faster than the group's pointer loads)
     variant = launch_variant(tensor_val(b), tensor_val(scale_b), bias)
     if variant is None:  # (symbolic strides: not hashable, not comparable here)
         return None

@@ -76,15 +76,54 @@ def test_split_k_sums_each_members_slices(dtype, split_k):
         torch.testing.assert_close(out, unsplit, **exact)
 
 
-def test_config_is_the_fused_weights_with_pointer_loads():
+def test_split_k_slices_land_in_each_members_slab(monkeypatch):
+    """The partial buffer after a split launch: member i's (SPLIT_K, M, N_i) slices from the
+    columns before it on (SPLIT_K * M * sum(N_j < i)), slice s the exact int32 sum over the
+    s-th run of K blocks; every ticket handed back zeroed. (The interpreter runs a tile's
+    splits one after another, so slabs that overlapped would still sum right there.)"""
+    from fusepass.kernels import group_launch
+
+    kept = []
+
+    def keep(*args):
+        kept.append(group_launch_split_k_buffers(*args))
+        return kept[-1]
+
+    group_launch_split_k_buffers = group_launch.split_k_buffers
+    monkeypatch.setattr(group_launch, "split_k_buffers", keep)
+    Ns, K, M, split = [40, 100, 24], 130, 5, 3
+    a, scale_a, problems = _members(M, Ns, K, torch.int8, 0)
+    launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
+                           torch.bfloat16, [p.bias for p in problems], config=configs.Config(16, 32, 32, split_k=split))
+    (partial, tickets), = kept
+    assert not tickets.any()
+    blocks = -(-K // 32)
+    per = -(-blocks // split)
+    col0 = 0
+    for N, p in zip(Ns, problems):
+        slab = partial.flatten()[split * M * col0:split * M * (col0 + N)].view(split, M, N)
+        for s in range(split):
+            lo, hi = min(s * per, blocks) * 32, min((s + 1) * per * 32, K)
+            want = a[:, lo:hi].int().cpu() @ p.b[lo:hi].int().cpu()
+            torch.testing.assert_close(slab[s].cpu(), want, rtol=0, atol=0)
+        col0 += N
+
+
+def test_config_is_the_fused_weights_with_pointer_loads(monkeypatch):
     """The joined weight's config: its tuned or derived split where a decode launch may split
-    (every M <= 16 bucket here: the built-in tiles leave the SMs idle), none where it may not."""
+    (every M <= 16 bucket here: the built-in tiles leave the SMs idle), none where it may not;
+    a TMA (or persistent) config's tiles with pointer loads."""
     cpu = torch.device("cpu")
     qkv = (16, [4096, 1024, 1024], 4096, torch.int8, cpu)
     cfg = group_config(*qkv, k_contiguous=True)
     assert cfg == configs.select_config(16, 6144, 4096, torch.int8, cpu) and cfg.split_k > 1
     assert group_config(*qkv, k_contiguous=True, split_decode=False).split_k == 1
-    assert not group_config(64, [4096, 1024, 1024], 4096, torch.int8, cpu, k_contiguous=True).tma
+    from fusepass.kernels import group_launch
+
+    persistent = configs.Config(128, 128, 128, tma=True, persistent=True)
+    monkeypatch.setattr(group_launch, "select_config", lambda *args, **kwargs: persistent)
+    assert group_config(64, [4096, 1024, 1024], 4096, torch.int8, cpu, k_contiguous=True) == \
+        dataclasses.replace(persistent, tma=False, persistent=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])

@@ -141,9 +141,18 @@ class TestMustNotGroup(expecttest.TestCase):
         self.assertEqual(r.counts, {"int_mm_scaled": fused, **({"shared_activation": shared} if shared else {})})
 
     def test_above_group_max_m(self):
+        self.assertEqual(grouped_calls(run(Siblings(), x_of(64))), [3])  # (the default bound)
         self.assert_apart(run(Siblings(), x_of(65)))
         self.assertEqual(grouped_calls(run(Siblings(), x_of(17), group_max_m=16)), [])
         self.assertEqual(grouped_calls(run(Siblings(), x_of(65), group_max_m=128)), [3])
+
+    def test_fp8_above_its_cublas_bound(self):
+        """fp8 calls above launch.FP8_CUBLAS_ABOVE_M (64) launch cuBLAS on their own, faster
+        than the group's pointer loads: not grouped, whatever group_max_m says."""
+        model = Siblings(dtype=torch.float8_e4m3fn)
+        r = run(model, x_of(65), group_max_m=128, fp8_max_m=128)
+        self.assertEqual(r.counts, {"scaled_mm_fp8_epilogue": 3, "shared_activation": 2})
+        self.assertEqual(grouped_calls(run(model, x_of(64), group_max_m=128, fp8_max_m=128)), [3])
 
     def test_turned_off(self):
         self.assert_apart(run(Siblings(), x_of(1), group_max_m=0))
