@@ -83,13 +83,12 @@ def test_split_k_slices_land_in_each_members_slab(monkeypatch):
     splits one after another, so slabs that overlapped would still sum right there.)"""
     from fusepass.kernels import group_launch
 
-    kept = []
+    kept, buffers = [], group_launch.split_k_buffers
 
     def keep(*args):
-        kept.append(group_launch_split_k_buffers(*args))
+        kept.append(buffers(*args))
         return kept[-1]
 
-    group_launch_split_k_buffers = group_launch.split_k_buffers
     monkeypatch.setattr(group_launch, "split_k_buffers", keep)
     Ns, K, M, split = [40, 100, 24], 130, 5, 3
     a, scale_a, problems = _members(M, Ns, K, torch.int8, 0)
