@@ -5,8 +5,9 @@ activation scale are the same value (the same node, or nodes computing it by the
 ops from the same inputs: each linear quantizes its input itself, so a Llama layer's q, k
 and v hold three copies of one quantization), with the same ``out_dtype``, weights of one
 layout, one scale granularity and bias or none, at a static M of at most
-``PassConfig.group_max_m`` (fp8: at most ``launch.FP8_CUBLAS_ABOVE_M``, above which its
-launch takes cuBLAS), none computed from another's result.
+``PassConfig.group_max_m`` (fp8: at most ``launch.FP8_CUBLAS_ABOVE_M``, above which its own
+launch takes cuBLAS where ``launch.cublas_takes_fp8`` holds), none computed from another's
+result.
 
 Becomes: one ``fusepass.scaled_mm_group`` call per 2 to 4 such calls (in graph order), each
 member's users reading its item of the result; the copies of the quantization then go dead.
@@ -14,8 +15,9 @@ member's users reading its item of the result; the copies of the quantization th
 Why: a default-mode decode step is host-bound, and a launch costs host time; the group is
 one launch where there were 2-4 (a Llama layer's q/k/v: 3 of its 7 GEMM launches). The group
 takes the config of the weight the members would make joined, with its split of K (at M <= 16
-only where decode launches split: inside CUDA graphs and eagerly, ``launch.decode_splits``),
-and so runs as ``fusepass.prepare``'s joined weight does. Prefill sizes keep their
+only where decode launches split: inside CUDA graphs, with ``split_k_outside_cuda_graphs``, and
+in eager calls of the op; ``launch.decode_splits``), and so runs as ``fusepass.prepare``'s
+joined weight does. Prefill sizes keep their
 own tuned launches (``scaled_mm``'s TMA configs).
 """
 
@@ -90,7 +92,7 @@ def _group_key(node: fx.Node, ids: dict, max_m: int):
     if not is_concrete_int(M) or int(M) > max_m:
         return None
     if tensor_val(a).dtype != torch.int8 and int(M) > FP8_CUBLAS_ABOVE_M:
-        return None  # (its own launch takes cuBLAS there, faster than the group's pointer loads)
+        return None  # (its own launch may take cuBLAS there, faster than the group's pointer loads)
     variant = launch_variant(tensor_val(b), tensor_val(scale_b), bias)
     if variant is None:  # (symbolic strides: not hashable, not comparable here)
         return None

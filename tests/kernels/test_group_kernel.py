@@ -90,7 +90,7 @@ def test_split_k_slices_land_in_each_members_slab(monkeypatch):
         return kept[-1]
 
     monkeypatch.setattr(group_launch, "split_k_buffers", keep)
-    Ns, K, M, split = [40, 100, 24], 130, 5, 3
+    Ns, K, M, split = [40, 100, 24, 17], 130, 5, 3  # (four members: each branch of the kernel)
     a, scale_a, problems = _members(M, Ns, K, torch.int8, 0)
     launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
                            torch.bfloat16, [p.bias for p in problems], config=configs.Config(16, 32, 32, split_k=split))
