@@ -55,10 +55,25 @@ def explain(fn, *example_inputs, config: PassConfig | None = None, dynamic: bool
     run the fusion pass on each graph and report every candidate quantized matmul.
 
     Runs ``fn`` once (traced, without Inductor code generation) under ``torch.no_grad``.
+    RuntimeError where no graph reached the pass (Dynamo ran ``fn`` uncompiled), rather than an
+    empty report.
     """
     decisions: list[Decision] = []
+    graphs = []
     pass_ = FusePass(config)
-    compiled = torch.compile(fn, backend=capture_backend(lambda gm: decisions.extend(pass_.run(gm.graph))), dynamic=dynamic)
+
+    def on_graph(gm):
+        graphs.append(gm)
+        decisions.extend(pass_.run(gm.graph))
+
+    compiled = torch.compile(fn, backend=capture_backend(on_graph), dynamic=dynamic)
     with torch.no_grad():
         compiled(*example_inputs, **example_kwargs)
+    if not graphs:
+        # e.g. a frame past Dynamo's recompile limit (torch._dynamo.config.recompile_limit),
+        # which Dynamo then runs eagerly with only a warning: the model's forward compiled for
+        # other models of its class in this process
+        raise RuntimeError("fusepass.explain: torch.compile traced no graph of fn (Dynamo ran it uncompiled: "
+                           "a frame past torch._dynamo.config.recompile_limit, or torch.compiler.disable); "
+                           "torch._dynamo.reset() clears the compiled frames")
     return Report(decisions)

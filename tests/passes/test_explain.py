@@ -63,3 +63,19 @@ def test_module_paths_as_named_modules_spells_them():
         assert module_path(node) == want, stack_path
     node.meta["nn_module_stack"] = {"k": ("L['self']", TwoLinears)}
     assert module_path(node) == "TwoLinears"
+
+
+def test_explain_says_when_no_graph_reached_the_pass():
+    """A frame past Dynamo's recompile limit runs uncompiled, with only a warning: an error
+    naming the cause, not an empty report."""
+    import pytest
+
+    torch._dynamo.reset()
+    model = TwoLinears()
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1, automatic_dynamic_shapes=False):
+            assert fusepass.explain(model, i8(M, K), scale(M, 1)).decisions
+            with pytest.raises(RuntimeError, match=r"traced no graph of fn .*torch\._dynamo\.reset\(\)"):
+                fusepass.explain(model, i8(M + 8, K), scale(M + 8, 1))  # (another M: a recompile)
+    finally:
+        torch._dynamo.reset()
