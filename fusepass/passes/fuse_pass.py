@@ -154,7 +154,6 @@ class FusePass(CustomGraphPass):
         for names in joined or ():
             count(JOINED)
             log.debug("fusepass: %s run as one matmul over their shared weight buffer", ", ".join(names))
-        captured = self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False)
         if self.config.group_max_m > 0:
             for names in group_siblings(graph, self.config.group_max_m):
                 count(GROUPED)
@@ -163,7 +162,9 @@ class FusePass(CustomGraphPass):
         if changed:
             graph.eliminate_dead_code()  # (the rewritten matmuls' old forms: users of the quantized rows)
         quantize_in = self.config.quantize_in_gemv
-        quantized = (not captured if quantize_in is None else quantize_in) and quantize_in_gemv(graph)
+        if quantize_in is None:  # where the launches run outside CUDA graphs
+            quantize_in = not (self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False))
+        quantized = quantize_in and quantize_in_gemv(graph)
         for name in quantized or ():
             count(QUANTIZED_IN)
             log.debug("fusepass: %s quantizes its activation in its own launch", name)
