@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled_mm import grouped_tile, split_k_sum
+from .scaled_mm import grouped_tile, k_slice, split_k_sum
 
 # The DeepSeek-V3 recipe, as torch._scaled_mm, cuBLAS and vLLM's CUTLASS kernels take it: one
 # activation scale per 1x128 group (a row, 128 of K), one weight scale per 128x128 block.
@@ -70,11 +70,7 @@ def blockwise_mm_kernel(
     offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # (BLOCK_M,)
     offs_n = (pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # (BLOCK_N,)
     offs_k = tl.arange(0, BLOCK_K).to(tl.int64)  # (BLOCK_K,)
-    # This program's K groups (none for trailing splits of a short K).
-    groups = tl.cdiv(K, GROUP_K)
-    groups_per_split = tl.cdiv(groups, SPLIT_K)
-    g_first = tl.program_id(1) * groups_per_split
-    g_end = tl.minimum(g_first + groups_per_split, groups)
+    g_first, g_end = k_slice(K, GROUP_K, SPLIT_K)  # this program's K groups
     k_first = g_first.to(tl.int64) * GROUP_K
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_first + offs_k[None, :]) * stride_ak  # (BLOCK_M, BLOCK_K)
     b_ptrs = b_ptr + (k_first + offs_k[:, None]) * stride_bk + offs_n[None, :] * stride_bn  # (BLOCK_K, BLOCK_N)

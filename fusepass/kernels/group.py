@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .gemv import gemv_rows
-from .scaled_mm import _epilogue, pointer_mainloop, split_k_sum
+from .scaled_mm import _epilogue, k_slice, pointer_mainloop, split_k_sum
 
 
 @triton.jit
@@ -60,11 +60,7 @@ def _member_tile(
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # This program's slice of K, in whole blocks, as scaled_mm_kernel's
-        k_blocks = tl.cdiv(K, BLOCK_K)
-        blocks_per_split = tl.cdiv(k_blocks, SPLIT_K)
-        k_first = tl.program_id(1) * blocks_per_split
-        k_end = tl.minimum(k_first + blocks_per_split, k_blocks)
+        k_first, k_end = k_slice(K, BLOCK_K, SPLIT_K)
         acc = pointer_mainloop(acc, a_ptr, b_ptr, offs_m, offs_n, k_first, k_end, K,
                                stride_am, stride_ak, stride_bk, stride_bn, BLOCK_K, EVEN_K)
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -75,18 +75,17 @@ def launch_scaled_mm_group(
     cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device,
                                  k_contiguous=bs[0].stride(0) == 1,
                                  split_decode=decode_splits(fake, symbolic_m=False))
-    if cfg.gemv and not gemv_allowed(a, bs[0]):
-        raise ValueError(f"a gemv config needs M = 1 and weights contiguous along K, got M = {M}, "
-                         f"strides {tuple(bs[0].stride())}")
+    if cfg.gemv and (not gemv_allowed(a, bs[0]) or cfg.split_k != 1):
+        raise ValueError(f"a gemv config needs M = 1, weights contiguous along K and split_k 1, got M = {M}, "
+                         f"strides {tuple(bs[0].stride())}, split_k {cfg.split_k}")
     scale_a = _flat(scale_a, fake)
     scale_bs = [_flat(s, fake) for s in scale_bs]
     biases = [_flat(b, fake) for b in biases]
     pad = [None] * (MAX_MEMBERS - len(bs))
-    split_k = 1 if cfg.gemv else cfg.split_k
-    grid = (cdiv(M, cfg.block_m) * sum(cdiv(N, cfg.block_n) for N in Ns), split_k)
+    grid = (cdiv(M, cfg.block_m) * sum(cdiv(N, cfg.block_n) for N in Ns), cfg.split_k)
     even_k = statically_known_true(K % cfg.block_k == 0)
     acc_dtype = torch.int32 if a.dtype == torch.int8 else torch.float32
-    partial, tickets = split_k_buffers(split_k, grid[0], M, sum(Ns), acc_dtype, a.device, fake)
+    partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, sum(Ns), acc_dtype, a.device, fake)
 
     def launch():
         launcher(scaled_mm_group_kernel, fake)[grid](
@@ -107,7 +106,7 @@ def launch_scaled_mm_group(
             GEMV=cfg.gemv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             EVEN_K=even_k,
-            SPLIT_K=split_k,
+            SPLIT_K=cfg.split_k,
             DP4A=cfg.gemv and all(dp4a_rows(b, cfg.block_k, even_k, fake) for b in bs),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

@@ -138,6 +138,16 @@ def pointer_mainloop(
 
 
 @triton.jit
+def k_slice(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[k_first, k_end): this program's run of whole K blocks, its split ``program_id(1)`` of
+    SPLIT_K (empty for trailing splits of a short K)."""
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    blocks_per_split = tl.cdiv(k_blocks, SPLIT_K)
+    k_first = tl.program_id(1) * blocks_per_split
+    return k_first, tl.minimum(k_first + blocks_per_split, k_blocks)
+
+
+@triton.jit
 def scaled_mm_kernel(
     # Operands
     a_ptr, b_ptr, out_ptr,  # (M, K), (K, N), (M, N)
@@ -165,11 +175,7 @@ def scaled_mm_kernel(
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
-    # This program's slice of K, in whole blocks (empty for trailing splits of a short K).
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    blocks_per_split = tl.cdiv(k_blocks, SPLIT_K)
-    k_first = tl.program_id(1) * blocks_per_split
-    k_end = tl.minimum(k_first + blocks_per_split, k_blocks)
+    k_first, k_end = k_slice(K, BLOCK_K, SPLIT_K)
 
     # 64-bit row/column indices; rows/columns past the edge wrap around to valid ones.
     offs_m = (pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)) % M  # (BLOCK_M,)

@@ -152,8 +152,11 @@ def test_one_row_takes_the_gemv_where_the_joined_width_fills_the_gpu():
     assert not group_config(1, [1024, 1024], 4096, torch.int8, cpu, k_contiguous=True).gemv  # 256 programs
 
 
-def test_a_gemv_config_refuses_two_rows():
-    a, scale_a, problems = _members(2, [16, 16], 64, torch.int8, 0)
-    with pytest.raises(ValueError, match="a gemv config needs M = 1 and weights contiguous along K"):
+@pytest.mark.parametrize("M,split_k", [(2, 1), (1, 2)], ids=["two-rows", "split"])
+def test_a_gemv_config_refuses_two_rows_or_a_split(M, split_k):
+    """As launch.plan does: the M = 1 kernel's rows have no split (a split config used to run unsplit)."""
+    a, scale_a, problems = _members(M, [16, 16], 64, torch.int8, 0)
+    cfg = dataclasses.replace(gemv_config(32, 64, 1, torch.int8), split_k=split_k)
+    with pytest.raises(ValueError, match=rf"a gemv config needs M = 1, .* got M = {M}, .* split_k {split_k}"):
         launch_scaled_mm_group(a, [p.b for p in problems], scale_a, [p.scale_b for p in problems],
-                               torch.float32, [None, None], config=gemv_config(32, 64, 1, torch.int8))
+                               torch.float32, [None, None], config=cfg)
