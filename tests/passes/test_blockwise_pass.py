@@ -128,6 +128,28 @@ scaled_mm_blockwise_default: bf16[8, 200] = fusepass.scaled_mm_blockwise(view_de
 view_default_1: bf16[2, 4, 200] = aten.view(scaled_mm_blockwise_default, [2, 4, 200])
 return [view_default_1]""")
 
+    def test_dequant_activation_shared_by_siblings(self):
+        """One dequantized activation for two weights (Inductor's freezing deduplicates the
+        siblings' quantizations), and a non-matmul user: both matmuls fuse, the
+        dequantization stays for the sum."""
+        g = torch.Generator().manual_seed(2)
+        x, w, w2 = ((torch.randn(*s, generator=g) * 2).to(torch.float8_e4m3fn) for s in ((M, K), (N, K), (N, K)))
+        sx, sw, sw2 = torch.rand(M, 3, generator=g), torch.rand(2, 3, generator=g), torch.rand(2, 3, generator=g)
+
+        def f(x, sx, w, sw, w2, sw2):
+            xd = x.to(BF16) * sx.repeat_interleave(128, -1)[..., :K]
+            ys = tuple(F.linear(xd, wq.to(BF16) * s.repeat_interleave(128, 0)[:N].repeat_interleave(128, 1)[:, :K])
+                       for wq, s in ((w, sw), (w2, sw2)))
+            return ys + (xd.float().sum(),)
+
+        r = run_pass(f, x, sx, w, sw, w2, sw2)
+        self.assertEqual(r.counts["dequant_mm_blockwise"], 2, [d.reason for d in r.decisions])
+        self.assertEqual(r.after.count("= fusepass.scaled_mm_blockwise("), 2)
+        eager = f(x, sx, w, sw, w2, sw2)
+        for out, e, wq, s in zip(r.out, eager, (w, w2), (sw, sw2)):
+            assert_policy(out, e, block_oracle(_block(x, sx, wq, s))[0])
+        torch.testing.assert_close(r.out[2], eager[2])
+
     def test_dequant_grouped_view_and_expanded_weight_scale(self):
         def f(x, sx, w, sw):
             m, k = x.shape

@@ -215,6 +215,42 @@ return [scaled_mm_azp_default]""")
             self.assertEqual((r.counts, r.after), ({}, r.before))
             self.assertIn(why, r.decisions[0].reason)
 
+    def test_row8_dequantized_activation_with_other_users(self):
+        """Inductor's freezing deduplicates siblings' activation quantizations: one dequantized
+        activation feeds q/k/v's matmuls, here beside a non-matmul user. Each matmul fuses on
+        the quantized rows; the dequantization stays for the sum."""
+
+        def linear(xq, sx, wq, sw, wq2, sw2):
+            x = xq.float() * sx
+            return F.linear(x, wq.float() * sw), F.linear(x, wq2.float() * sw2), x.sum()
+
+        def matrix_vector(xq, sx, wq, sw, wq2, sw2):  # Inductor's M = 1 mm on CUDA, its cast shared
+            x = (xq.to(torch.bfloat16) * sx).float().unsqueeze(2)
+            return tuple((x * (w.to(torch.bfloat16) * s).t().float().unsqueeze(0)).sum(1)
+                         for w, s in ((wq, sw), (wq2, sw2))) + (x.sum(),)
+
+        sw, sw2 = scale(N, 1, seed=2), scale(N, 1, seed=4)
+        wq, wq2 = i8(N, K, seed=1), i8(N, K, seed=3)
+        for fn, m in ((linear, M), (matrix_vector, 1)):
+            xq, sx = i8(m, K), scale(m, 1)
+            r = run_pass(fn, xq, sx, wq, sw, wq2, sw2, config=PassConfig(group_max_m=0))
+            self.assertEqual(r.counts["dequant_mm"], 2, fn.__name__)
+            self.assertEqual(r.after.count("= fusepass.scaled_mm("), 2)
+            self.assertIn("aten.sum(", r.after)  # the other user's dequantization, kept
+            eager = fn(xq, sx, wq, sw, wq2, sw2)
+            for out, e, w, s in zip(r.out, eager, (wq, wq2), (sw, sw2)):
+                assert_policy(out, e, (xq.double() * sx.double()) @ (w.double() * s.double()).t())
+            torch.testing.assert_close(r.out[2], eager[2])
+
+    def test_row8_dequantized_weight_with_another_user_is_left(self):
+        def f(xq, sx, wq, sw):
+            w = wq.float() * sw
+            return F.linear(xq.float() * sx, w), w.sum()
+
+        r = run_pass(f, i8(M, K), scale(M, 1), i8(N, K, seed=1), scale(N, 1, seed=2))
+        self.assertEqual((r.counts, r.after), ({}, r.before))
+        self.assertRegex(r.decisions[0].reason, r"the dequantized weight \w+ has 2 users")
+
     def test_plain_float_matmul_is_not_a_candidate(self):
         r = run_pass(lambda x, w: F.linear(x, w), torch.randn(M, K), torch.randn(N, K))
         self.assertEqual((r.counts, r.decisions, r.after), ({}, [], r.before))

@@ -30,7 +30,8 @@ A dequantized matmul with no scale varying along K or in blocks along N is left 
 ``dequant_mm`` (None). Rejected, with the reason: groups other than 128 (or too few or too
 many of them), an activation scale shared by several rows (128x128 activation blocks), a
 weight scale per output channel within a block (1x128 weight groups), a scale varying per
-element, int8 or e5m2 operands, a dequantized operand with other users.
+element, int8 or e5m2 operands, a dequantized weight with other users (an activation may have
+others: its dequantization stays for them).
 """
 
 from __future__ import annotations
@@ -338,8 +339,7 @@ def _match_dequant(node, config) -> Candidate | None:
         raise Rejected(f"the quantized weight ({describe(wt.q)}) is viewed to another shape before its dequantization")
     if act.transposed:  # the op takes a [M, K] activation; emit has no transpose for it
         raise Rejected(f"the dequantized activation is transposed ({describe(act.q)} read as its .t())")
-    _only_users(act, "activation")
-    _only_users(wt, "weight")
+    _only_users(wt, "weight")  # (an activation may have others: dequant_mm.py says why)
     check_operands(act.q, wt.q, FP8)
     ep = Epilogue(block_scaled=True)
     if bias is not None:

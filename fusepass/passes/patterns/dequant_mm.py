@@ -12,7 +12,10 @@ dequantized int8 or fp8 tensors:
     B = (q_w.to(f) * s_w).t() with s_w per-tensor or per-output-channel [N, 1]
         or q_b.to(f) * s_b   with s_b [1, N]
 
-then any epilogue after it (bias, casts, views; see ``epilogue.walk``).
+then any epilogue after it (bias, casts, views; see ``epilogue.walk``). A dequantized activation
+may have other users (siblings' matmuls once Inductor's freezing has deduplicated their
+quantizations, or anything else): the fused op reads ``q_a``, and the dequantization stays for
+them. A dequantized weight must have no other.
 Becomes ``fusepass.scaled_mm(q_a, q_w.t(), s_a, s_w, out_dtype, bias)``, or with a zero
 point ``fusepass.scaled_mm_azp`` with ``azp_adj`` the column sums of ``q_w`` (computed in
 the graph): the integer products are exact instead of products of rounded dequantized
@@ -40,7 +43,7 @@ def _dequant(node):
         return None
     for x, s in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
         zp = None
-        if is_call(x, aten.sub.Tensor) and not x.kwargs and single_user(x) is not None:
+        if is_call(x, aten.sub.Tensor) and not x.kwargs:
             x, zp = x.args
         if cast_dtype(x) in FLOAT_DTYPES and tensor_val(x.args[0]).dtype in QUANT_DTYPES:
             return x.args[0], s, zp
@@ -52,11 +55,10 @@ def _only_user(node: fx.Node, what: str) -> None:
         raise Rejected(f"the dequantized {what} {node} has {len(node.users)} users")
 
 
-def _peel_float_cast(node, what: str):
+def _peel_float_cast(node):
     """The source of a float-to-float cast of the dequantized value (fp32 scales make an fp32
     product that the graph rounds to bf16; the fused op skips that rounding), else ``node``."""
     if cast_dtype(node) in FLOAT_DTYPES and tensor_val(node.args[0]).dtype in FLOAT_DTYPES:
-        _only_user(node, what)
         return node.args[0]
     return node
 
@@ -66,13 +68,10 @@ def _activation(A: fx.Node):
     (or a 3-D one viewed to 2-D)."""
     view = None
     if is_call(A, *VIEW_OPS):
-        _only_user(A, "activation")
         view, A = A.args[1], A.args[0]
-    A = _peel_float_cast(A, "activation")
-    deq = _dequant(A)
+    deq = _dequant(_peel_float_cast(A))
     if deq is None:
         return None
-    _only_user(A, "activation")
     q, s, zp = deq
     shape = list(tensor_val(A).shape)
     axis = classify(s, shape)
@@ -91,13 +90,13 @@ def _weight(B: fx.Node):
     """(q, scale, its Axis on the output, transposed) of a dequantized [K, N] B, or of the
     transpose of an [N, K] one."""
     transposed = is_call(B, aten.permute.default) and list(B.args[1]) == [1, 0] or is_call(B, aten.t.default)
-    inner = _peel_float_cast(B.args[0] if transposed else B, "weight")
+    outer = B.args[0] if transposed else B
+    inner = _peel_float_cast(outer)
     deq = _dequant(inner)
     if deq is None:
         return None
-    _only_user(inner, "weight")
-    if transposed:
-        _only_user(B, "weight")
+    for node in dict.fromkeys((B, outer, inner)):  # (each once)
+        _only_user(node, "weight")
     q, s, zp = deq
     if zp is not None:
         raise Rejected(f"the weight has a zero point ({describe(zp)}); only activations' zero points fold out")
@@ -108,11 +107,13 @@ def _weight(B: fx.Node):
 
 
 def _unsqueezed(node, dim: int):
-    """``x`` of ``x.to(float32).unsqueeze(dim)`` (or of ``x.unsqueeze(dim)``), else None."""
-    if not is_call(node, aten.unsqueeze.default) or node.args[1] != dim or single_user(node) is None:
+    """``x`` of ``x.to(float32).unsqueeze(dim)`` (or of ``x.unsqueeze(dim)``), else None. (The
+    activation's, dim 2, may be shared by siblings' products, as ``_activation`` allows.)"""
+    if not is_call(node, aten.unsqueeze.default) or node.args[1] != dim or dim == 0 and single_user(node) is None:
         return None
     x = node.args[0]
-    if cast_dtype(x) == torch.float32 and tensor_val(x.args[0]).dtype in FLOAT_DTYPES and single_user(x) is not None:
+    if (cast_dtype(x) == torch.float32 and tensor_val(x.args[0]).dtype in FLOAT_DTYPES
+            and (dim == 2 or single_user(x) is not None)):
         return x.args[0]
     return x
 
