@@ -81,7 +81,8 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     ``torch._inductor.config``, is kept and runs first (chained, never replaced); a fusepass
     pass among them is replaced by one pass, with ``config``, or else with its own config
     (so ``backend="fusepass"`` keeps the ``PassConfig`` of ``options=inductor_options(...)``).
-    Sets ``emulate_precision_casts`` unless ``options`` says otherwise (see below).
+    Sets ``emulate_precision_casts`` unless ``options`` says otherwise (see below), and turns
+    Inductor's ``freezing`` off (``_without_freezing``).
     """
     opts = dict(options or {})
     # Round where eager rounds (a bf16 value fused into the next kernel is otherwise kept in
@@ -90,6 +91,7 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     # 2.94e-2 from the float model's against eager torchao's 2.29e-2; with it 2.25e-2
     # (relative error, H200). An explicit False is kept.
     opts.setdefault("emulate_precision_casts", True)
+    _without_freezing(opts)
     hook = opts.get(_HOOK, getattr(inductor_config(), _HOOK))
     found = _fusepass_in(hook)
     if config is None and found is not None:
@@ -98,6 +100,25 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     ours = FusePass(config)
     opts[_HOOK] = ours if existing is None else ChainedPass(existing, ours)
     return opts
+
+
+def _without_freezing(opts: dict) -> None:
+    """Turn Inductor's freezing off, saying so once where the user turned it on. Frozen weights
+    are constants, and Inductor folds what is computed from constants alone before the pass
+    runs: a prepared (or torchao, or compressed-tensors) linear's dequantized weight became an
+    fp32 constant and its matmul a float one (32 layers, H200: kernel time 3.42 -> 8.82 ms a b1
+    step, four bytes a weight more in memory), and a hand-written int8 model failed to
+    compile (benchmarks/NOTES.md run 31)."""
+    global _WARNED_FREEZING
+    asked = opts.get("freezing", inductor_config().freezing)
+    opts["freezing"] = False
+    if asked and not _WARNED_FREEZING:
+        _WARNED_FREEZING = True
+        log.warning("fusepass: Inductor's freezing is turned off for the graphs fusepass compiles: it would fold "
+                    "the dequantized weights of W8A8 linears into float constants before the pass sees them.")
+
+
+_WARNED_FREEZING = False
 
 
 def _counts() -> tuple[Counter, Counter]:

@@ -60,6 +60,22 @@ def test_backend_by_name_fuses_every_linear(fresh_compile):
     torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
 
 
+def test_backend_turns_inductor_freezing_off_and_says_so(fresh_compile, monkeypatch, caplog):
+    """Frozen weights are constants Inductor folds before the pass runs (a dequantized weight
+    became a float constant); on this CPU oneDNN's int8 linears took both matmuls instead. The
+    backend compiles without freezing, and warns once."""
+    monkeypatch.setattr(fusepass.backend, "_WARNED_FREEZING", False)
+    model, x = MLP().eval(), _x()
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True), caplog.at_level("WARNING", "fusepass"):
+        out = torch.compile(model, backend="fusepass")(x)
+    assert counters["fusepass"] == {"int_mm_scaled": 2}
+    torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
+    assert [r.getMessage() for r in caplog.records if "freezing" in r.getMessage()] == [
+        "fusepass: Inductor's freezing is turned off for the graphs fusepass compiles: it would fold the dequantized "
+        "weights of W8A8 linears into float constants before the pass sees them."]
+    assert fusepass.inductor_options({"freezing": True})["freezing"] is False
+
+
 def test_inductor_options_chain_the_users_pass(fresh_compile):
     user = UserPass()
     options = fusepass.inductor_options({"post_grad_custom_pre_pass": user})

@@ -267,9 +267,10 @@ def test_act_kind_checked():
 def test_prepared_model_compiles_with_the_backend(bf16_model, options):
     """For real, one Inductor compile (CPU): the prepared model compiled with
     ``backend="fusepass"`` gives its eager logits (within the rounding of a different
-    activation-quantization order), with every linear fused and siblings joined. Also with
-    Inductor's freezing, whose deduplication left q/k/v and gate/up one dequantized
-    activation: 4 of 14 linears fused before the patterns took a shared one."""
+    activation-quantization order), with every linear fused and siblings joined. Also where
+    the user asks for Inductor's freezing, which the backend turns off (``_without_freezing``);
+    before it did, its deduplication left q/k/v and gate/up one dequantized activation, and
+    5 of 15 linears fused until the patterns took a shared one."""
     model, _ = _prepared(bf16_model, "int8")
     ids = models.prompt(bf16_model, 2, 8, seed=4)
     counters["fusepass"].clear()
