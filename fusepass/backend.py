@@ -105,7 +105,7 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
 def _without_freezing(opts: dict) -> None:
     """Turn Inductor's freezing off, saying so once where the user turned it on. Frozen weights
     are constants, and Inductor folds what is computed from constants alone before the pass
-    runs: a prepared (or torchao, or compressed-tensors) linear's dequantized weight became an
+    runs: a prepared linear's dequantized weight became an
     fp32 constant and its matmul a float one (32 layers, H200: kernel time 3.42 -> 8.82 ms a b1
     step, four bytes a weight more in memory), and a hand-written int8 model failed to
     compile (benchmarks/NOTES.md run 31)."""
@@ -114,8 +114,8 @@ def _without_freezing(opts: dict) -> None:
     opts["freezing"] = False
     if asked and not _WARNED_FREEZING:
         _WARNED_FREEZING = True
-        log.warning("fusepass: Inductor's freezing is turned off for the graphs fusepass compiles: it would fold "
-                    "the dequantized weights of W8A8 linears into float constants before the pass sees them.")
+        log.warning("fusepass: Inductor's freezing is turned off for the graphs fusepass compiles: weights frozen "
+                    "as constants have their dequantization folded into float constants before the pass sees them.")
 
 
 _WARNED_FREEZING = False

@@ -71,8 +71,8 @@ def test_backend_turns_inductor_freezing_off_and_says_so(fresh_compile, monkeypa
     assert counters["fusepass"] == {"int_mm_scaled": 2}
     torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
     assert [r.getMessage() for r in caplog.records if "freezing" in r.getMessage()] == [
-        "fusepass: Inductor's freezing is turned off for the graphs fusepass compiles: it would fold the dequantized "
-        "weights of W8A8 linears into float constants before the pass sees them."]
+        "fusepass: Inductor's freezing is turned off for the graphs fusepass compiles: weights frozen as constants "
+        "have their dequantization folded into float constants before the pass sees them."]
     assert fusepass.inductor_options({"freezing": True})["freezing"] is False
 
 

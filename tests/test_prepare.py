@@ -263,21 +263,22 @@ def test_act_kind_checked():
         Act("int4")
 
 
-@pytest.mark.parametrize("options", [{}, {"freezing": True}], ids=["plain", "freezing"])
-def test_prepared_model_compiles_with_the_backend(bf16_model, options):
+@pytest.mark.parametrize("freezing", [False, True], ids=["plain", "freezing"])
+def test_prepared_model_compiles_with_the_backend(bf16_model, freezing):
     """For real, one Inductor compile (CPU): the prepared model compiled with
     ``backend="fusepass"`` gives its eager logits (within the rounding of a different
-    activation-quantization order), with every linear fused and siblings joined. Also where
-    the user asks for Inductor's freezing, which the backend turns off (``_without_freezing``);
-    before it did, its deduplication left q/k/v and gate/up one dequantized activation, and
-    5 of 15 linears fused until the patterns took a shared one."""
+    activation-quantization order), with every linear fused and siblings joined. Also with
+    ``torch._inductor.config.freezing`` set while Dynamo traces, which the backend turns off
+    (``_without_freezing``): frozen, the weights' dequantization is folded into constants and
+    no linear fuses."""
     model, _ = _prepared(bf16_model, "int8")
     ids = models.prompt(bf16_model, 2, 8, seed=4)
     counters["fusepass"].clear()
     torch._dynamo.reset()
     with torch.no_grad():
         eager = model(ids).logits
-        out = torch.compile(model, backend="fusepass", options=options, dynamic=False)(ids).logits
+        with torch._inductor.config.patch(freezing=freezing):
+            out = torch.compile(model, backend="fusepass", dynamic=False)(ids).logits
     assert dict(counters["fusepass"]) == {"dequant_mm": LINEARS, JOINED: 2 * SIZES.layers}
     assert _rel(out, eager) < 0.05
 

@@ -129,8 +129,8 @@ view_default_1: bf16[2, 4, 200] = aten.view(scaled_mm_blockwise_default, [2, 4, 
 return [view_default_1]""")
 
     def test_dequant_activation_shared_by_siblings(self):
-        """One dequantized activation for two weights (Inductor's freezing deduplicates the
-        siblings' quantizations), and a non-matmul user: both matmuls fuse, the
+        """One dequantized activation for two weights (a model that dequantizes once; Inductor's
+        CSE under freezing), and a non-matmul user: both matmuls fuse, the
         dequantization stays for the sum."""
         g = torch.Generator().manual_seed(2)
         x, w, w2 = ((torch.randn(*s, generator=g) * 2).to(torch.float8_e4m3fn) for s in ((M, K), (N, K), (N, K)))

@@ -216,15 +216,15 @@ return [scaled_mm_azp_default]""")
             self.assertIn(why, r.decisions[0].reason)
 
     def test_row8_dequantized_activation_with_other_users(self):
-        """Inductor's freezing deduplicates siblings' activation quantizations: one dequantized
-        activation feeds q/k/v's matmuls, here beside a non-matmul user. Each matmul fuses on
+        """One dequantized activation feeds siblings' matmuls (a model that dequantizes once;
+        Inductor's CSE under freezing), here beside a non-matmul user. Each matmul fuses on
         the quantized rows; the dequantization stays for the sum."""
 
         def linear(xq, sx, wq, sw, wq2, sw2):
             x = xq.float() * sx
             return F.linear(x, wq.float() * sw), F.linear(x, wq2.float() * sw2), x.sum()
 
-        def matrix_vector(xq, sx, wq, sw, wq2, sw2):  # Inductor's M = 1 mm on CUDA, its cast shared
+        def matrix_vector(xq, sx, wq, sw, wq2, sw2):  # Inductor's M = 1 mm on CUDA, the product shared
             x = (xq.to(torch.bfloat16) * sx).float().unsqueeze(2)
             return tuple((x * (w.to(torch.bfloat16) * s).t().float().unsqueeze(0)).sum(1)
                          for w, s in ((wq, sw), (wq2, sw2))) + (x.sum(),)
