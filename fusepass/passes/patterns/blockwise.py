@@ -171,7 +171,8 @@ def _match_scaled_mm(node, config) -> Candidate | None:
 class _Operand:
     """A dequantized matmul operand X [R, C] = post(q.to(f) * S): the quantized data ``q``, the
     source of ``S`` and its layout over X's two dims, ``q``'s view to X's (untransposed) shape,
-    whether X is that transposed, and the nodes a fusion consumes."""
+    whether X is that transposed, and the nodes between ``q`` and X (a weight's must have no other
+    user)."""
 
     q: fx.Node
     scale: fx.Node
