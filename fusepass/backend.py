@@ -23,12 +23,13 @@ from ._compat import (
     register_backend,
 )
 from .kernels.launch import splitting_outside_graphs
-from .passes import FusePass, PassConfig
+from .passes import FusePass, PassConfig, RewritePass
 from .passes.choices import decode_reductions
 from .passes.fuse_pass import INDUCTOR_PREFIX
 
 log = logging.getLogger("fusepass")
 _HOOK = "post_grad_custom_pre_pass"  # why this hook: fusepass/passes/fuse_pass.py
+_FREEZING_HOOK = "joint_custom_post_pass"
 
 
 class ChainedPass(CustomGraphPass):
@@ -81,8 +82,9 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     ``torch._inductor.config``, is kept and runs first (chained, never replaced); a fusepass
     pass among them is replaced by one pass, with ``config``, or else with its own config
     (so ``backend="fusepass"`` keeps the ``PassConfig`` of ``options=inductor_options(...)``).
-    Sets ``emulate_precision_casts`` unless ``options`` says otherwise (see below), and turns
-    Inductor's ``freezing`` off (``_without_freezing``).
+    Sets ``emulate_precision_casts`` unless ``options`` says otherwise (see below). Under
+    Inductor's ``freezing`` the rewrite runs earlier, in ``joint_custom_post_pass`` (chained
+    the same way), before freezing folds the weights' dequantization (``RewritePass``).
     """
     opts = dict(options or {})
     # Round where eager rounds (a bf16 value fused into the next kernel is otherwise kept in
@@ -91,34 +93,20 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     # 2.94e-2 from the float model's against eager torchao's 2.29e-2; with it 2.25e-2
     # (relative error, H200). An explicit False is kept.
     opts.setdefault("emulate_precision_casts", True)
-    _without_freezing(opts)
-    hook = opts.get(_HOOK, getattr(inductor_config(), _HOOK))
-    found = _fusepass_in(hook)
+    found = _fusepass_in(opts.get(_HOOK, getattr(inductor_config(), _HOOK)))
     if config is None and found is not None:
         config = found.config
-    existing = _without_fusepass(hook)
-    ours = FusePass(config)
-    opts[_HOOK] = ours if existing is None else ChainedPass(existing, ours)
+    _chain(opts, _HOOK, FusePass(config))
+    if opts.get("freezing", inductor_config().freezing):  # why: RewritePass
+        _chain(opts, _FREEZING_HOOK, RewritePass(config))
     return opts
 
 
-def _without_freezing(opts: dict) -> None:
-    """Turn Inductor's freezing off, saying so once where the user turned it on. Frozen weights
-    are constants, and Inductor folds what is computed from constants alone before the pass
-    runs: a prepared linear's dequantized weight became an
-    fp32 constant and its matmul a float one (32 layers, H200: kernel time 3.42 -> 8.82 ms a b1
-    step, four bytes a weight more in memory), and a hand-written int8 model failed to
-    compile (benchmarks/NOTES.md run 31)."""
-    global _WARNED_FREEZING
-    asked = opts.get("freezing", inductor_config().freezing)
-    opts["freezing"] = False
-    if asked and not _WARNED_FREEZING:
-        _WARNED_FREEZING = True
-        log.warning("fusepass: Inductor's freezing is turned off for the graphs fusepass compiles: weights frozen "
-                    "as constants have their dequantization folded into float constants before the pass sees them.")
-
-
-_WARNED_FREEZING = False
+def _chain(opts: dict, hook: str, ours: FusePass) -> None:
+    """Put ``ours`` in ``opts[hook]``, after the user's pass there (in ``opts``, else in
+    ``torch._inductor.config``) and in place of any fusepass pass."""
+    existing = _without_fusepass(opts.get(hook, getattr(inductor_config(), hook)))
+    opts[hook] = ours if existing is None else ChainedPass(existing, ours)
 
 
 def _counts() -> tuple[Counter, Counter]:

@@ -16,6 +16,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fusepass
 from fusepass.backend import ChainedPass
+from fusepass.passes import RewritePass
 from tests.models import MLP
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,13 +27,14 @@ def _x(M=24):
 
 
 class UserPass(CustomGraphPass):
-    """A user's own post-grad pass: records that it ran, and what it saw."""
+    """A user's own graph pass: records that it ran, and what it saw (an int_mm; the inputs)."""
 
     def __init__(self):
-        self.saw_int_mm = []
+        self.saw_int_mm, self.inputs = [], []
 
     def __call__(self, graph):
         self.saw_int_mm.append(any(n.target is torch.ops.aten._int_mm.default for n in graph.nodes))
+        self.inputs.append(len(graph.find_nodes(op="placeholder")))
 
     def uuid(self):
         return "user-pass-v1"
@@ -60,20 +62,32 @@ def test_backend_by_name_fuses_every_linear(fresh_compile):
     torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
 
 
-def test_backend_turns_inductor_freezing_off_and_says_so(fresh_compile, monkeypatch, caplog):
-    """Frozen weights are constants Inductor folds before the pass runs (a dequantized weight
-    became a float constant); on this CPU oneDNN's int8 linears took both matmuls instead. The
-    backend compiles without freezing, and warns once."""
-    monkeypatch.setattr(fusepass.backend, "_WARNED_FREEZING", False)
+def test_backend_fuses_under_inductor_freezing(fresh_compile):
+    """Frozen weights are constants, and Inductor folds what is computed from them alone before
+    its post-grad passes (a dequantized weight became a float constant; on this CPU oneDNN's
+    int8 linears took both matmuls). Under freezing the rewrite runs in the joint graph, before
+    that (``RewritePass``): both linears fuse, the user's joint pass first still sees the
+    int_mm, and the compiled graph takes the input alone (weights and scales held)."""
+    joint, post = UserPass(), UserPass()
     model, x = MLP().eval(), _x()
-    with torch.no_grad(), torch._inductor.config.patch(freezing=True), caplog.at_level("WARNING", "fusepass"):
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True, joint_custom_post_pass=joint,
+                                                       post_grad_custom_pre_pass=post):
         out = torch.compile(model, backend="fusepass")(x)
     assert counters["fusepass"] == {"int_mm_scaled": 2}
+    assert (joint.saw_int_mm, post.saw_int_mm, post.inputs) == ([True], [False], [1])
     torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
-    assert [r.getMessage() for r in caplog.records if "freezing" in r.getMessage()] == [
-        "fusepass: Inductor's freezing is turned off for the graphs fusepass compiles: weights frozen as constants "
-        "have their dequantization folded into float constants before the pass sees them."]
-    assert fusepass.inductor_options({"freezing": True})["freezing"] is False
+
+
+def test_inductor_options_rewrite_in_the_joint_graph_only_under_freezing():
+    user = UserPass()
+    assert "joint_custom_post_pass" not in fusepass.inductor_options()
+    frozen = fusepass.inductor_options({"freezing": True, "joint_custom_post_pass": user})
+    chained = frozen["joint_custom_post_pass"]
+    assert chained.passes[0] is user and type(chained.passes[1]) is RewritePass
+    assert type(frozen["post_grad_custom_pre_pass"]) is fusepass.FusePass  # which lowers what was rewritten
+    again = fusepass.inductor_options(frozen)["joint_custom_post_pass"]
+    assert len(again.passes) == 2 and again.uuid() == chained.uuid()
+    assert RewritePass().uuid() != fusepass.FusePass().uuid()
 
 
 def test_inductor_options_chain_the_users_pass(fresh_compile):

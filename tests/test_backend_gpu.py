@@ -96,6 +96,23 @@ def test_reduce_overhead_cuda_graphs():
     assert counters["fusepass"] == {"int_mm_scaled": 2}
 
 
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+@pytest.mark.parametrize("dtype", list(CASES), ids=["int8", "fp8"])
+def test_frozen_weights_fuse_and_are_held(dtype, mode):
+    """Under Inductor's freezing (set while Dynamo traces) the weights are constants of the
+    compiled code, and every linear still fuses: the rewrite runs before freezing folds."""
+    inputs = []
+    model, exact = MLP(dtype=dtype).cuda().eval(), MLP(dtype=None).cuda().eval()
+    with torch.no_grad(), torch._inductor.config.patch(
+            freezing=True, post_grad_custom_pre_pass=lambda g: inputs.append(len(g.find_nodes(op="placeholder")))):
+        compiled = torch.compile(model, backend="fusepass", mode=mode)
+        for step in range(3):  # (CUDA graphs: warm-up, record, replay)
+            x = _x(64 if dtype == torch.int8 else 16, seed=step)  # (eager's _int_mm: M > 16)
+            _check(compiled(x).clone(), model(x), exact(x.double()))
+    assert counters["fusepass"] == {CASES[dtype]: 2}
+    assert inputs == [1]  # x alone
+
+
 def test_decode_splits_k_only_in_cuda_graphs():
     """A decode launch splits K (one more buffer, int32 tile counters, and Inductor's fill of
     them) inside CUDA graphs only: outside, the fill is a launch a host-bound step pays for

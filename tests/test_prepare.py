@@ -268,9 +268,9 @@ def test_prepared_model_compiles_with_the_backend(bf16_model, freezing):
     """For real, one Inductor compile (CPU): the prepared model compiled with
     ``backend="fusepass"`` gives its eager logits (within the rounding of a different
     activation-quantization order), with every linear fused and siblings joined. Also with
-    ``torch._inductor.config.freezing`` set while Dynamo traces, which the backend turns off
-    (``_without_freezing``): frozen, the weights' dequantization is folded into constants and
-    no linear fuses."""
+    ``torch._inductor.config.freezing`` set while Dynamo traces: the rewrite runs before
+    freezing would fold the weights' dequantization into float constants (``RewritePass``;
+    after it no linear fused)."""
     model, _ = _prepared(bf16_model, "int8")
     ids = models.prompt(bf16_model, 2, 8, seed=4)
     counters["fusepass"].clear()

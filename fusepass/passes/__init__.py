@@ -1,5 +1,5 @@
 """The FX pass that rewrites quantized matmul epilogues into the fusepass ops."""
 
-from .fuse_pass import Decision, FusePass, PassConfig
+from .fuse_pass import Decision, FusePass, PassConfig, RewritePass
 
-__all__ = ["Decision", "FusePass", "PassConfig"]
+__all__ = ["Decision", "FusePass", "PassConfig", "RewritePass"]

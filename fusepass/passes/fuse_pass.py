@@ -209,5 +209,22 @@ class FusePass(CustomGraphPass):
         # Inductor with its own, and Inductor's own key does not tell them apart (choices.py).
         choices = type(V.choices)
         handler_uuid = getattr(V.choices, "uuid", lambda: None)()  # (a handler with state of its own)
-        return get_hash_for_files(_SOURCES, extra=f"{self.config!r}|{choices.__module__}.{choices.__qualname__}"
-                                                  f"|{handler_uuid}")
+        return get_hash_for_files(_SOURCES, extra=f"{type(self).__name__}|{self.config!r}|{choices.__module__}."
+                                                  f"{choices.__qualname__}|{handler_uuid}")
+
+
+class RewritePass(FusePass):
+    """The rewrite alone (``run``), for Inductor's joint-graph hook under freezing.
+
+    Inductor's freezing turns the weights into constants between the joint-graph passes and the
+    post-grad ones, and folds what is computed from constants alone: a dequantized weight
+    became an fp32 constant and its matmul a float one before the post-grad pass saw it (32
+    layers, H200: kernel time 3.42 -> 8.82 ms a b1 step, benchmarks/NOTES.md run 31). Rewritten
+    first, the weight and its scale reach freezing as a fusepass op's operands, which it cannot
+    fold (the activation is an input); what only a weight needs (a view, a cast of its scale)
+    it folds once. The post-grad ``FusePass`` then finds nothing left to rewrite and lowers.
+    """
+
+    def __call__(self, graph: fx.Graph) -> None:
+        with splitting_outside_graphs(self.config.split_k_outside_cuda_graphs):
+            self.run(graph)
