@@ -426,23 +426,27 @@ def check_flags(variants: list[str], guard_filter: str | None, modes: list[str])
 
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
         cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, profile_dir: str | None = None,
-        steps_dir: str | None = None, guard_filter: str | None = None, log=print) -> list[dict]:
+        steps_dir: str | None = None, guard_filter: str | None = None, freezing: bool = False,
+        log=print) -> list[dict]:
     """Time every (depth, variant, mode, step) cell; ``sizes``: the model's but for its depth.
     On a CPU (tests: a small ``sizes``) cells have wall times only. ``profile_dir``: each
     cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``;
     ``steps_dir``: its steps, ``<cell>-host.txt`` (cProfile) and ``<cell>-kernels.txt`` (GPU
-    kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row)."""
+    kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row).
+    ``freezing``: every cell with Inductor's freezing (weights compiled in as constants), set
+    while Dynamo traces, where it takes effect (in each row)."""
     check_flags(variants, guard_filter, modes)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            **({"guard_filter": guard_filter} if guard_filter else {})}
+            **({"guard_filter": guard_filter} if guard_filter else {}), **({"freezing": True} if freezing else {})}
     rows = []
     for depth in layers:
         sizes = dataclasses.replace(sizes, layers=depth)
-        rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
-                           profile_dir, steps_dir, guard_filter)
+        with torch._inductor.config.patch(freezing=freezing):
+            rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
+                               profile_dir, steps_dir, guard_filter)
     return rows
 
 
@@ -506,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default=None,
                     help="compile with this guard_filter_fn (for models whose modules do not change after "
                          "the compile; one variant per process)")
+    ap.add_argument("--freezing", action="store_true",
+                    help="compile with Inductor's freezing: the weights held as constants (for models whose "
+                         "weights do not change after the compile; docs/PERFORMANCE.md)")
     ap.add_argument("--report", default=None, help="print the tables of this JSON list (no run)")
     ap.add_argument("--plot", default=None, help="with --report: also plot it to this PNG")
     args = ap.parse_args(argv)
@@ -537,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps (+ 5 with --profile-steps)")
     rows = run(layers, variants, modes, steps, prefill=args.prefill, cache_len=args.cache, calls=args.calls,
                out=args.out, profile_dir=args.profile_compile, steps_dir=args.profile_steps,
-               guard_filter=args.guard_filter)
+               guard_filter=args.guard_filter, freezing=args.freezing)
     print(report(rows))
     return 0
 

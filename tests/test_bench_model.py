@@ -242,6 +242,28 @@ def test_a_guard_filter_reaches_torch_compile_and_the_rows(monkeypatch):
     assert seen[-1]["options"]["triton.cudagraphs"] is True and "guard_filter_fn" in seen[-1]["options"]
 
 
+def test_freezing_is_on_while_the_cells_compile_and_in_the_rows(monkeypatch):
+    import torch
+
+    seen = []
+
+    def compile(model, **kwargs):
+        def call(*args, **kw):
+            seen.append(torch._inductor.config.freezing)  # (Dynamo reads it as it traces: the first call)
+            return model(*args, **kw)
+        return call
+
+    monkeypatch.setattr(torch, "compile", compile)
+    rows = bench.run([1], ["bf16"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+                     freezing=True, log=lambda _: None)
+    assert seen and all(seen) and not torch._inductor.config.freezing
+    assert rows[0]["freezing"] is True and "| bf16 (frozen) | default | b1 |" in bench.report(rows)
+    frozen_calls = len(seen)
+    plain = bench.run([1], ["bf16"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+                      log=lambda _: None)
+    assert "freezing" not in plain[0] and seen[frozen_calls:] and not any(seen[frozen_calls:])
+
+
 def test_measuring_filters_drop_one_kind_of_guard_under_the_modules():
     from types import SimpleNamespace as Entry
 
