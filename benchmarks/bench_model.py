@@ -407,14 +407,16 @@ def _fit_together(built: dict, step: str, cache_len: int) -> bool:
     return len(built) * cache <= torch.cuda.mem_get_info()[0] / 2
 
 
-def check_flags(variants: list[str], guard_filter: str | None, modes: list[str]) -> None:
-    """Refuse a guard filter that would time something else than it says, or an ALONE variant
-    beside others (ValueError)."""
+def check_flags(variants: list[str], guard_filter: str | None, modes: list[str], freezing: bool = False) -> None:
+    """Refuse a guard filter or freezing that would time something else than it says, or an
+    ALONE variant beside others (ValueError)."""
     if len(variants) > 1 and ALONE & set(variants):
         raise ValueError(f"--variants {', '.join(sorted(ALONE & set(variants)))} runs in a process of its own: "
                          "loading it changes how the other models of the process compile")
     if guard_filter and "eager" in modes:
         raise ValueError("--guard-filter filters torch.compile's guards: the eager mode has none")
+    if freezing and "eager" in modes:
+        raise ValueError("--freezing freezes what torch.compile compiles: the eager mode compiles nothing")
     if guard_filter and len(variants) > 1:
         # Measured (H200, 32 layers): with torch's filter the fp8 model matched the int8
         # model's compiled code (its guards on the weights' dtypes were filtered) and ran it.
@@ -435,7 +437,7 @@ def run(layers: list[int], variants: list[str], modes: list[str], steps: list[st
     kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row).
     ``freezing``: every cell with Inductor's freezing (weights compiled in as constants), set
     while Dynamo traces, where it takes effect (in each row)."""
-    check_flags(variants, guard_filter, modes)
+    check_flags(variants, guard_filter, modes, freezing)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
@@ -535,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         if path and not os.path.isdir(path):
             ap.error(f"{flag} {path}: no such directory")
     try:
-        check_flags(variants, args.guard_filter, modes)
+        check_flags(variants, args.guard_filter, modes, args.freezing)
     except ValueError as e:
         ap.error(str(e))
     if not torch.cuda.is_available() and ("graphs" in modes or {"fp8", "fp8-stock"} & set(variants)):

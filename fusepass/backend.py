@@ -33,7 +33,8 @@ _FREEZING_HOOK = "joint_custom_post_pass"
 
 
 class ChainedPass(CustomGraphPass):
-    """The user's own pass, then fusepass's: theirs sees the graph they wrote it for.
+    """The user's own pass, then fusepass's: theirs sees the graph they wrote it for (under
+    Inductor's freezing, the post-grad one sees fusepass's ops: ``RewritePass``).
 
     Its uuid() combines the members' uuids; a member without one (a plain function)
     makes it None, which turns Inductor's FX graph cache off rather than risk a stale hit.
@@ -82,9 +83,10 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     ``torch._inductor.config``, is kept and runs first (chained, never replaced); a fusepass
     pass among them is replaced by one pass, with ``config``, or else with its own config
     (so ``backend="fusepass"`` keeps the ``PassConfig`` of ``options=inductor_options(...)``).
-    Sets ``emulate_precision_casts`` unless ``options`` says otherwise (see below). Under
-    Inductor's ``freezing`` the rewrite runs earlier, in ``joint_custom_post_pass`` (chained
-    the same way), before freezing folds the weights' dequantization (``RewritePass``).
+    Sets ``emulate_precision_casts`` unless ``options`` says otherwise (see below). Also
+    chains ``RewritePass`` in ``joint_custom_post_pass`` the same way: where Inductor freezes,
+    the rewrite runs there, before freezing folds the weights' dequantization (and a user's
+    post-grad pass then sees fusepass's ops, no longer the quantized matmuls).
     """
     opts = dict(options or {})
     # Round where eager rounds (a bf16 value fused into the next kernel is otherwise kept in
@@ -97,8 +99,7 @@ def inductor_options(options: dict | None = None, *, config: PassConfig | None =
     if config is None and found is not None:
         config = found.config
     _chain(opts, _HOOK, FusePass(config))
-    if opts.get("freezing", inductor_config().freezing):  # why: RewritePass
-        _chain(opts, _FREEZING_HOOK, RewritePass(config))
+    _chain(opts, _FREEZING_HOOK, RewritePass(config))  # (acts where Inductor freezes)
     return opts
 
 

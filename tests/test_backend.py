@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import fusepass
-from fusepass.backend import ChainedPass
+from fusepass.backend import ChainedPass, capture_backend
 from fusepass.passes import RewritePass
 from tests.models import MLP
 
@@ -78,14 +78,45 @@ def test_backend_fuses_under_inductor_freezing(fresh_compile):
     torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
 
 
-def test_inductor_options_rewrite_in_the_joint_graph_only_under_freezing():
+def test_stock_inductor_fuses_under_freezing_turned_on_after_the_options(fresh_compile):
+    """``inductor_options()`` first, freezing set later, before the first call (the order a
+    user may take): the joint-graph rewrite is in place and acts."""
+    options = fusepass.inductor_options()
+    model, x = MLP().eval(), _x()
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        out = torch.compile(model, options=options)(x)
+    assert counters["fusepass"] == {"int_mm_scaled": 2}
+    torch.testing.assert_close(out, _reference(model, x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_joint_graph_rewrite_acts_only_where_inductor_freezes():
+    """Inductor freezes with ``freezing`` set and grad off (``compile_fx``); elsewhere (a
+    training graph, freezing off) the rewrite stays in the post-grad pass."""
+    rewritten = []
+
+    def on_graph(freezing, grad):
+        def rewrite(gm):
+            with torch._inductor.config.patch(freezing=freezing), torch.set_grad_enabled(grad):
+                RewritePass()(gm.graph)
+            rewritten.append(not gm.graph.find_nodes(op="call_function", target=torch.ops.aten._int_mm.default))
+        return rewrite
+
+    model, x = MLP().eval(), _x()
+    for freezing, grad in ((False, False), (True, True), (True, False)):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(model, backend=capture_backend(on_graph(freezing, grad)))(x)
+    assert rewritten == [False, False, True]
+
+
+def test_inductor_options_chain_the_joint_graph_rewrite():
     user = UserPass()
-    assert "joint_custom_post_pass" not in fusepass.inductor_options()
-    frozen = fusepass.inductor_options({"freezing": True, "joint_custom_post_pass": user})
-    chained = frozen["joint_custom_post_pass"]
+    with torch._inductor.config.patch(joint_custom_post_pass=user):
+        options = fusepass.inductor_options()
+    chained = options["joint_custom_post_pass"]
     assert chained.passes[0] is user and type(chained.passes[1]) is RewritePass
-    assert type(frozen["post_grad_custom_pre_pass"]) is fusepass.FusePass  # which lowers what was rewritten
-    again = fusepass.inductor_options(frozen)["joint_custom_post_pass"]
+    assert type(options["post_grad_custom_pre_pass"]) is fusepass.FusePass  # which lowers what was rewritten
+    again = fusepass.inductor_options(options)["joint_custom_post_pass"]
     assert len(again.passes) == 2 and again.uuid() == chained.uuid()
     assert RewritePass().uuid() != fusepass.FusePass().uuid()
 

@@ -262,6 +262,9 @@ def test_freezing_is_on_while_the_cells_compile_and_in_the_rows(monkeypatch):
     plain = bench.run([1], ["bf16"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
                       log=lambda _: None)
     assert "freezing" not in plain[0] and seen[frozen_calls:] and not any(seen[frozen_calls:])
+    with pytest.raises(ValueError, match="the eager mode compiles nothing"):
+        bench.run([1], ["bf16"], ["eager"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+                  freezing=True, log=lambda _: None)
 
 
 def test_measuring_filters_drop_one_kind_of_guard_under_the_modules():

@@ -270,16 +270,19 @@ def test_prepared_model_compiles_with_the_backend(bf16_model, freezing):
     activation-quantization order), with every linear fused and siblings joined. Also with
     ``torch._inductor.config.freezing`` set while Dynamo traces: the rewrite runs before
     freezing would fold the weights' dequantization into float constants (``RewritePass``;
-    after it no linear fused)."""
+    after it no linear fused), and the compiled graph takes ``ids`` alone (the weights held)."""
     model, _ = _prepared(bf16_model, "int8")
     ids = models.prompt(bf16_model, 2, 8, seed=4)
     counters["fusepass"].clear()
     torch._dynamo.reset()
+    inputs = []
     with torch.no_grad():
         eager = model(ids).logits
-        with torch._inductor.config.patch(freezing=freezing):
+        with torch._inductor.config.patch(freezing=freezing, post_grad_custom_pre_pass=lambda g: inputs.append(
+                len(g.find_nodes(op="placeholder")))):
             out = torch.compile(model, backend="fusepass", dynamic=False)(ids).logits
     assert dict(counters["fusepass"]) == {"dequant_mm": LINEARS, JOINED: 2 * SIZES.layers}
+    assert (inputs == [1]) == freezing
     assert _rel(out, eager) < 0.05
 
 

@@ -3,7 +3,8 @@ into fusepass op calls (``run``), then lowers those calls to the kernels they la
 (``lower.py``), so that Inductor's generated code launches them itself.
 
 Hook point: ``post_grad_custom_pre_pass``, i.e. on the functional, decomposed ATen graph,
-before Inductor's own post-grad patterns. Those would otherwise get there first:
+before Inductor's own post-grad patterns (under Inductor's freezing the rewrite runs earlier,
+in the joint graph: ``RewritePass``). Those would otherwise get there first:
 ``fused_int_mm_mul`` and ``unfuse_bias_add_to_pointwise`` rewrite exactly the
 ``_int_mm -> mul -> add`` chains this pass reads (pytorch #136329, vLLM RFC #27072 on the
 same choice). The cost is that Inductor's no-op removal has not run yet, so the walker
@@ -16,9 +17,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 import torch.fx as fx
 
-from .._compat import CustomGraphPass, V, counters, get_hash_for_files
+from .._compat import CustomGraphPass, V, counters, get_hash_for_files, inductor_config
 from ..kernels.launch import FP8_CUBLAS_ABOVE_M, decode_splits, splitting_outside_graphs
 from .graph import Rejected, aten, location, module_path
 from .group import NAME as GROUPED, group_siblings
@@ -214,7 +216,7 @@ class FusePass(CustomGraphPass):
 
 
 class RewritePass(FusePass):
-    """The rewrite alone (``run``), for Inductor's joint-graph hook under freezing.
+    """The rewrite alone (``run``), in Inductor's joint-graph hook, where Inductor's freezing follows.
 
     Inductor's freezing turns the weights into constants between the joint-graph passes and the
     post-grad ones, and folds what is computed from constants alone: a dequantized weight
@@ -222,9 +224,17 @@ class RewritePass(FusePass):
     layers, H200: kernel time 3.42 -> 8.82 ms a b1 step, benchmarks/NOTES.md run 31). Rewritten
     first, the weight and its scale reach freezing as a fusepass op's operands, which it cannot
     fold (the activation is an input); what only a weight needs (a view, a cast of its scale)
-    it folds once. The post-grad ``FusePass`` then finds nothing left to rewrite and lowers.
+    it folds once. Not the lowering: its launches are mutations that return nothing, which
+    freezing's dead-code removal would drop. The post-grad ``FusePass`` lowers, after finding
+    nothing left to rewrite, join or group.
+
+    It acts only where Inductor freezes, as ``compile_fx`` decides (``freezing`` set, grad off;
+    read here, as the hook is set before a user may turn freezing on). With Inductor's
+    ``use_joint_graph_passes`` off it does not run, and freezing folds as before.
     """
 
     def __call__(self, graph: fx.Graph) -> None:
+        if not (inductor_config().freezing and not torch.is_grad_enabled()):
+            return
         with splitting_outside_graphs(self.config.split_k_outside_cuda_graphs):
             self.run(graph)
