@@ -311,12 +311,6 @@ def _scale_b(wt: _Operand, kb, nb) -> Callable:
     return _arrange(wt.scale, tuple((kind[1],) if kind[0] == "block" else () for kind in (k, n)), [kb, nb])
 
 
-def _only_users(op: _Operand, what: str) -> None:
-    for node in op.chain:
-        if len(users(node)) != 1:
-            raise Rejected(f"the dequantized {what} ({describe(node)}) has {len(users(node))} users")
-
-
 def _match_dequant(node, config) -> Candidate | None:
     if node.target is aten.addmm.default:
         bias, A, B = node.args[:3]
@@ -340,7 +334,9 @@ def _match_dequant(node, config) -> Candidate | None:
         raise Rejected(f"the quantized weight ({describe(wt.q)}) is viewed to another shape before its dequantization")
     if act.transposed:  # the op takes a [M, K] activation; emit has no transpose for it
         raise Rejected(f"the dequantized activation is transposed ({describe(act.q)} read as its .t())")
-    _only_users(wt, "weight")  # (an activation may have others: dequant_mm.py says why)
+    for link in wt.chain:  # (an activation may have other users: dequant_mm.py says why)
+        if len(users(link)) != 1:
+            raise Rejected(f"the dequantized weight ({describe(link)}) has {len(users(link))} users")
     check_operands(act.q, wt.q, FP8)
     ep = Epilogue(block_scaled=True)
     if bias is not None:

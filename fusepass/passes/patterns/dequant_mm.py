@@ -50,11 +50,6 @@ def _dequant(node):
     return None
 
 
-def _only_user(node: fx.Node, what: str) -> None:
-    if single_user(node) is None:
-        raise Rejected(f"the dequantized {what} {node} has {len(node.users)} users")
-
-
 def _peel_float_cast(node):
     """The source of a float-to-float cast of the dequantized value (fp32 scales make an fp32
     product that the graph rounds to bf16; the fused op skips that rounding), else ``node``."""
@@ -95,8 +90,9 @@ def _weight(B: fx.Node):
     deq = _dequant(inner)
     if deq is None:
         return None
-    for node in dict.fromkeys((B, outer, inner)):  # (each once)
-        _only_user(node, "weight")
+    for node in dict.fromkeys((B, outer, inner)):  # (each once; an activation may have other users)
+        if single_user(node) is None:
+            raise Rejected(f"the dequantized weight {node} has {len(node.users)} users")
     q, s, zp = deq
     if zp is not None:
         raise Rejected(f"the weight has a zero point ({describe(zp)}); only activations' zero points fold out")
