@@ -136,10 +136,12 @@ class FusePass(CustomGraphPass):
     def __init__(self, config: PassConfig | None = None):
         self.config = config or PassConfig()  # plain data: Inductor deep-copies its config
 
+    lowers = True  # (RewritePass: the rewrite alone)
+
     def __call__(self, graph: fx.Graph) -> None:
         with splitting_outside_graphs(self.config.split_k_outside_cuda_graphs):
             self.run(graph)
-            if lower(graph):
+            if self.lowers and lower(graph):
                 graph.lint()
 
     def run(self, graph: fx.Graph) -> list[Decision]:
@@ -233,8 +235,8 @@ class RewritePass(FusePass):
     ``use_joint_graph_passes`` off it does not run, and freezing folds as before.
     """
 
+    lowers = False
+
     def __call__(self, graph: fx.Graph) -> None:
-        if not (inductor_config().freezing and not torch.is_grad_enabled()):
-            return
-        with splitting_outside_graphs(self.config.split_k_outside_cuda_graphs):
-            self.run(graph)
+        if inductor_config().freezing and not torch.is_grad_enabled():
+            super().__call__(graph)
