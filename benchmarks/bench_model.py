@@ -12,7 +12,8 @@ at Llama-3-8B's size (32 layers, hidden 4096, intermediate 14336, 32/8 heads, vo
 hand-written form (``demo/handwritten.py``) under fusepass; a compressed-tensors checkpoint
 (W8A8, FP8_DYNAMIC) as transformers runs it (FP8 also loaded from disk with its
 ``use_optimized_inference=True``), and through ``prepare`` and fusepass (also W8A8 with
-asymmetric activations, and FP8_BLOCK). Steps: prefill of ``--prefill``
+asymmetric activations, and FP8_BLOCK). Any variant's name + ``-frozen`` (``FROZEN``): compiled
+with Inductor's freezing, the weights held as constants, beside the plain variants. Steps: prefill of ``--prefill``
 tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64 against a
 ``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``), and
 eager (not compiled; ``compile_s`` is then the first call's time).
@@ -95,6 +96,9 @@ BREAK_GRAPHS = {"ct-int8", "ct-fp8", "ct-fp8-optimized"}
 # model compiled first in the process still ran 40.4 ms a b16 step in 1,336 kernels, against
 # 10-11 ms in 741 (H200, 32 layers; the cause, inside transformers' loading, not found).
 ALONE = {"ct-fp8-optimized"}
+# A variant's name + FROZEN: compiled with Inductor's freezing (for models whose weights do not
+# change after the compile; docs/PERFORMANCE.md), timed beside the plain ones in one process.
+FROZEN = "-frozen"
 # eager: no torch.compile (a user of transformers' own quantized paths may not compile)
 MODES = {"default": None, "graphs": "reduce-overhead", "eager": None}
 # --guard-filter: a guard_filter_fn for torch.compile, for models whose modules do not change
@@ -141,9 +145,14 @@ GUARD_FILTERS = {  # name: the filter for a model
 STEPS = ("prefill", "b1", "b16", "b64")
 
 
-def _csv(text: str, known, what: str) -> list:
+def unfrozen(variant: str) -> str:
+    """The VARIANTS name of ``variant`` (which may end with FROZEN)."""
+    return variant.removesuffix(FROZEN)
+
+
+def _csv(text: str, known, what: str, name=lambda x: x) -> list:
     items = [x for x in text.split(",") if x]
-    unknown = [x for x in items if x not in known]
+    unknown = [x for x in items if name(x) not in known]
     if unknown or not items:
         raise SystemExit(f"bench_model: {what}: unknown {unknown or text!r}; known: {', '.join(map(str, known))}")
     return items
@@ -151,7 +160,7 @@ def _csv(text: str, known, what: str) -> list:
 
 def build(variant: str, base, log=print):
     """The model of ``variant`` from the bf16 ``base`` (a copy; lm_head kept bf16)."""
-    quant, quantizer, _, prep = VARIANTS[variant]
+    quant, quantizer, _, prep = VARIANTS[unfrozen(variant)]
     if quant is None:
         return base
     if quantizer == "transformers-fp8":
@@ -187,17 +196,24 @@ def _loaded_optimized(base):
 
 
 def _compiled(model, variant: str, mode: str, guard_filter: str | None = None):
-    backend = VARIANTS[variant][2]
+    backend = VARIANTS[unfrozen(variant)][2]
     if mode == "eager":
         return model
-    if guard_filter is None:
+    options = {}
+    if guard_filter is not None:
+        options["guard_filter_fn"] = GUARD_FILTERS[guard_filter](model)
+    if variant.endswith(FROZEN):
+        # Dynamo reads the global config as it traces (``_start`` sets it); the option too makes
+        # this torch.compile unequal to the plain variant's, whose compiled code an equal one is
+        # served (run 31, call 4: the frozen rows ran the plain code).
+        options["freezing"] = True
+    if not options:
         return torch.compile(model, backend=backend, mode=MODES[mode], dynamic=False)
-    # torch.compile takes a mode or options, not both: the mode's options, and the filter
+    # torch.compile takes a mode or options, not both: the mode's options, and these
     from torch._inductor import list_mode_options
 
-    options = {**(list_mode_options(MODES[mode]) if MODES[mode] else {}),
-               "guard_filter_fn": GUARD_FILTERS[guard_filter](model)}
-    return torch.compile(model, backend=backend, options=options, dynamic=False)
+    return torch.compile(model, backend=backend, dynamic=False,
+                         options={**(list_mode_options(MODES[mode]) if MODES[mode] else {}), **options})
 
 
 def _call(fn, model, step: str, ids, cache_len: int):
@@ -333,7 +349,7 @@ def _start(model, variant: str, mode: str, step: str, ids, cache_len: int, profi
     row = {"variant": variant, "mode": mode, "step": step}
     try:
         call = _call(fn, model, step, ids, cache_len)
-        with torch.no_grad():
+        with torch.no_grad(), torch._inductor.config.patch(freezing=variant.endswith(FROZEN)):
             t = time.perf_counter()
             _first_call(call, graphs, profile)
             row["compile_s"] = round(time.perf_counter() - t, 1)
@@ -358,7 +374,7 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
     # modules break the graph go last: the frames after a break recompile once a layer (the
     # attention's, on ``self.layer_idx``: Dynamo's log at 32 layers), past any limit, and such
     # a frame then runs eagerly for every model after.
-    order = sorted(built, key=lambda v: v in BREAK_GRAPHS)
+    order = sorted(built, key=lambda v: unfrozen(v) in BREAK_GRAPHS)
     with torch._dynamo.config.patch(recompile_limit=max(8, len(built) + 1)):
         started = [_start(built[v], v, mode, step, ids, cache_len, profiles.get(v, (None, None))[0], guard_filter)
                    for v in order]
@@ -407,48 +423,47 @@ def _fit_together(built: dict, step: str, cache_len: int) -> bool:
     return len(built) * cache <= torch.cuda.mem_get_info()[0] / 2
 
 
-def check_flags(variants: list[str], guard_filter: str | None, modes: list[str], freezing: bool = False) -> None:
-    """Refuse a guard filter or freezing that would time something else than it says, or an
-    ALONE variant beside others (ValueError)."""
-    if len(variants) > 1 and ALONE & set(variants):
-        raise ValueError(f"--variants {', '.join(sorted(ALONE & set(variants)))} runs in a process of its own: "
+def check_flags(variants: list[str], guard_filter: str | None, modes: list[str]) -> None:
+    """Refuse a guard filter or frozen variant that would time something else than it says, or
+    an ALONE variant beside others (ValueError)."""
+    alone = ALONE & {unfrozen(v) for v in variants}
+    if len(variants) > 1 and alone:
+        raise ValueError(f"--variants {', '.join(sorted(alone))} runs in a process of its own: "
                          "loading it changes how the other models of the process compile")
     if guard_filter and "eager" in modes:
         raise ValueError("--guard-filter filters torch.compile's guards: the eager mode has none")
-    if freezing and "eager" in modes:
-        raise ValueError("--freezing freezes what torch.compile compiles: the eager mode compiles nothing")
+    frozen = [v for v in variants if v.endswith(FROZEN)]
+    if frozen and "eager" in modes:
+        raise ValueError(f"--variants {', '.join(frozen)}: freezing freezes what torch.compile compiles, "
+                         "and the eager mode compiles nothing")
     if guard_filter and len(variants) > 1:
         # Measured (H200, 32 layers): with torch's filter the fp8 model matched the int8
         # model's compiled code (its guards on the weights' dtypes were filtered) and ran it.
         raise ValueError("--guard-filter times one variant per process: models of one class share "
                          "compiled code once the guards on their modules are filtered")
-    if guard_filter == "skip-prepared-values" and not all(VARIANTS[v][3] for v in variants):
+    if guard_filter == "skip-prepared-values" and not all(VARIANTS[unfrozen(v)][3] for v in variants):
         raise ValueError("--guard-filter skip-prepared-values needs a variant that fusepass.prepare converts")
 
 
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
         cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, profile_dir: str | None = None,
-        steps_dir: str | None = None, guard_filter: str | None = None, freezing: bool = False,
-        log=print) -> list[dict]:
+        steps_dir: str | None = None, guard_filter: str | None = None, log=print) -> list[dict]:
     """Time every (depth, variant, mode, step) cell; ``sizes``: the model's but for its depth.
     On a CPU (tests: a small ``sizes``) cells have wall times only. ``profile_dir``: each
     cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``;
     ``steps_dir``: its steps, ``<cell>-host.txt`` (cProfile) and ``<cell>-kernels.txt`` (GPU
-    kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row).
-    ``freezing``: every cell with Inductor's freezing (weights compiled in as constants), set
-    while Dynamo traces, where it takes effect (in each row)."""
-    check_flags(variants, guard_filter, modes, freezing)
+    kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row)."""
+    check_flags(variants, guard_filter, modes)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            **({"guard_filter": guard_filter} if guard_filter else {}), **({"freezing": True} if freezing else {})}
+            **({"guard_filter": guard_filter} if guard_filter else {})}
     rows = []
     for depth in layers:
         sizes = dataclasses.replace(sizes, layers=depth)
-        with torch._inductor.config.patch(freezing=freezing):
-            rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
-                               profile_dir, steps_dir, guard_filter)
+        rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
+                           profile_dir, steps_dir, guard_filter)
     return rows
 
 
@@ -496,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="32", help="comma list of depths (Llama-3-8B's layers each)")
     ap.add_argument("--variants", default="bf16,fp8-stock,int8,int8-asym,fp8,int8-handwritten",
-                    help=f"comma list of {', '.join(VARIANTS)}")
+                    help=f"comma list of {', '.join(VARIANTS)}; any of them + {FROZEN}: compiled with "
+                         "Inductor's freezing, the weights held as constants (docs/PERFORMANCE.md)")
     ap.add_argument("--modes", default="default,graphs", help="comma list of default, graphs, eager (not compiled)")
     ap.add_argument("--steps", default=",".join(STEPS), help=f"comma list of {', '.join(STEPS)}")
     ap.add_argument("--prefill", type=int, default=2048, help="prefill tokens")
@@ -512,9 +528,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default=None,
                     help="compile with this guard_filter_fn (for models whose modules do not change after "
                          "the compile; one variant per process)")
-    ap.add_argument("--freezing", action="store_true",
-                    help="compile with Inductor's freezing: the weights held as constants (for models whose "
-                         "weights do not change after the compile; docs/PERFORMANCE.md)")
     ap.add_argument("--report", default=None, help="print the tables of this JSON list (no run)")
     ap.add_argument("--plot", default=None, help="with --report: also plot it to this PNG")
     args = ap.parse_args(argv)
@@ -530,23 +543,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--layers: not a comma list of integers: {args.layers!r}")
     if min(layers) < 1 or min(args.prefill, args.cache, args.calls) < 1:
         ap.error("--layers, --prefill, --cache and --calls must be >= 1")
-    variants = _csv(args.variants, VARIANTS, "--variants")
+    variants = _csv(args.variants, VARIANTS, "--variants", unfrozen)
     modes = _csv(args.modes, MODES, "--modes")
     steps = _csv(args.steps, STEPS, "--steps")
     for flag, path in (("--profile-compile", args.profile_compile), ("--profile-steps", args.profile_steps)):
         if path and not os.path.isdir(path):
             ap.error(f"{flag} {path}: no such directory")
     try:
-        check_flags(variants, args.guard_filter, modes, args.freezing)
+        check_flags(variants, args.guard_filter, modes)
     except ValueError as e:
         ap.error(str(e))
-    if not torch.cuda.is_available() and ("graphs" in modes or {"fp8", "fp8-stock"} & set(variants)):
+    if not torch.cuda.is_available() and ("graphs" in modes or {"fp8", "fp8-stock"} & {unfrozen(v) for v in variants}):
         ap.error("CUDA graphs and the fp8 variants need a CUDA GPU")
     if args.calls + 11 + (5 if args.profile_steps else 0) > args.cache:
         ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps (+ 5 with --profile-steps)")
     rows = run(layers, variants, modes, steps, prefill=args.prefill, cache_len=args.cache, calls=args.calls,
                out=args.out, profile_dir=args.profile_compile, steps_dir=args.profile_steps,
-               guard_filter=args.guard_filter, freezing=args.freezing)
+               guard_filter=args.guard_filter)
     print(report(rows))
     return 0
 

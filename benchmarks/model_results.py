@@ -23,9 +23,8 @@ def load(path: str) -> list[dict]:
 
 
 def _name(row: dict) -> str:
-    """A row's variant, with its guard filter and freezing if it had them."""
-    return (row["variant"] + (f" ({row['guard_filter']})" if row.get("guard_filter") else "")
-            + (" (frozen)" if row.get("freezing") else ""))
+    """A row's variant, with its guard filter if it had one."""
+    return row["variant"] + (f" ({row['guard_filter']})" if row.get("guard_filter") else "")
 
 
 def report(rows: list[dict]) -> str:

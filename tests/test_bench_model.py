@@ -242,29 +242,47 @@ def test_a_guard_filter_reaches_torch_compile_and_the_rows(monkeypatch):
     assert seen[-1]["options"]["triton.cudagraphs"] is True and "guard_filter_fn" in seen[-1]["options"]
 
 
-def test_freezing_is_on_while_the_cells_compile_and_in_the_rows(monkeypatch):
+def test_a_frozen_variant_compiles_with_freezing_beside_the_plain_one(monkeypatch):
     import torch
 
     seen = []
 
     def compile(model, **kwargs):
-        def call(*args, **kw):
-            seen.append(torch._inductor.config.freezing)  # (Dynamo reads it as it traces: the first call)
+        def call(*args, **kw):  # (Dynamo reads the global config as it traces: the first call)
+            seen.append((kwargs.get("options") or {}).get("freezing", False) and torch._inductor.config.freezing)
             return model(*args, **kw)
+        seen.append(kwargs)
         return call
 
     monkeypatch.setattr(torch, "compile", compile)
-    rows = bench.run([1], ["bf16"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
-                     freezing=True, log=lambda _: None)
-    assert seen and all(seen) and not torch._inductor.config.freezing
-    assert rows[0]["freezing"] is True and "| bf16 (frozen) | default | b1 |" in bench.report(rows)
-    frozen_calls = len(seen)
-    plain = bench.run([1], ["bf16"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
-                      log=lambda _: None)
-    assert "freezing" not in plain[0] and seen[frozen_calls:] and not any(seen[frozen_calls:])
-    with pytest.raises(ValueError, match="the eager mode compiles nothing"):
-        bench.run([1], ["bf16"], ["eager"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
-                  freezing=True, log=lambda _: None)
+    rows = bench.run([1], ["bf16", "bf16-frozen"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None,
+                     sizes=SMALL, log=lambda _: None)
+    assert not torch._inductor.config.freezing
+    plain, frozen = [seen[seen.index(kw) + 1:] for kw in seen if isinstance(kw, dict)]
+    assert plain[0] is False and frozen[0] is True  # each cell's first call, config and option alike
+    assert [r["variant"] for r in rows] == ["bf16", "bf16-frozen"] and all("step_ms" in r for r in rows)
+    assert "| bf16-frozen | default | b1 |" in bench.report(rows)
+    said = []  # (built as its plain variant: prepared)
+    bench.build("int8-frozen", models.random_llama(SMALL, 32, torch.device("cpu"), 0), log=said.append)
+    assert "7 quantized linears converted" in said[-1], said
+    with pytest.raises(ValueError, match="bf16-frozen: freezing freezes what torch.compile compiles"):
+        bench.run([1], ["bf16-frozen"], ["eager"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+                  log=lambda _: None)
+    with pytest.raises(ValueError, match="ct-fp8-optimized runs in a process of its own"):
+        bench.check_flags(["bf16", "ct-fp8-optimized-frozen"], None, ["default"])
+    with pytest.raises(SystemExit, match="unknown \\['int9-frozen'\\]"):
+        bench.main(["--variants", "bf16,int9-frozen"])
+
+
+def test_a_frozen_variant_keeps_the_mode_in_its_options(monkeypatch):
+    import torch
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: seen.append(kwargs))
+    bench._compiled(torch.nn.Linear(2, 2), "int8-frozen", "graphs")
+    assert seen[-1]["backend"] == "fusepass" and seen[-1]["options"] == {"triton.cudagraphs": True, "freezing": True}
+    bench._compiled(torch.nn.Linear(2, 2), "int8", "graphs")
+    assert seen[-1]["mode"] == "reduce-overhead" and "options" not in seen[-1]
 
 
 def test_measuring_filters_drop_one_kind_of_guard_under_the_modules():
