@@ -76,8 +76,9 @@ def plot(rows: list[dict], path: str) -> None:
             xs = [labels.index(c[0]) + i * width for c in cells if c[1] == name]
             ax.bar(xs, [c[2] for c in cells if c[1] == name], width, label=name)
         ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylim(0, 1.4 * max([c[2] for c in cells], default=1.0))  # (room above the bars for the legend)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels, fontsize=8)
         ax.set_title(f"{depth} layers: speed vs bf16 (higher is better)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
