@@ -13,10 +13,10 @@ hand-written form (``demo/handwritten.py``) under fusepass; a compressed-tensors
 (W8A8, FP8_DYNAMIC) as transformers runs it (FP8 also loaded from disk with its
 ``use_optimized_inference=True``), and through ``prepare`` and fusepass (also W8A8 with
 asymmetric activations, and FP8_BLOCK). Any variant's name + ``-frozen`` (``FROZEN``): compiled
-with Inductor's freezing, the weights held as constants, beside the plain variants. Steps: prefill of ``--prefill``
-tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64 against a
-``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``), and
-eager (not compiled; ``compile_s`` is then the first call's time).
+with Inductor's freezing, the weights held as constants, beside the plain variants. Steps:
+prefill of ``--prefill`` tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64
+against a ``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``),
+and eager (not compiled; ``compile_s`` is then the first call's time).
 
 Per cell (variant, mode, step), with ``dynamic=False``; the variants of one (mode, step) are
 compiled and warmed one after another, then timed in alternating rounds (``ROUNDS``), so a
