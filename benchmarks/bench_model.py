@@ -150,6 +150,12 @@ def unfrozen(variant: str) -> str:
     return variant.removesuffix(FROZEN)
 
 
+def _freezing(variant: str):
+    """Inductor's freezing config for ``variant``'s calls: Dynamo reads it as it traces (the first
+    call), and so would a recompile in a later one."""
+    return torch._inductor.config.patch(freezing=variant.endswith(FROZEN))
+
+
 def _csv(text: str, known, what: str, name=lambda x: x) -> list:
     items = [x for x in text.split(",") if x]
     unknown = [x for x in items if name(x) not in known]
@@ -203,9 +209,9 @@ def _compiled(model, variant: str, mode: str, guard_filter: str | None = None):
     if guard_filter is not None:
         options["guard_filter_fn"] = GUARD_FILTERS[guard_filter](model)
     if variant.endswith(FROZEN):
-        # Dynamo reads the global config as it traces (``_start`` sets it); the option too makes
-        # this torch.compile unequal to the plain variant's, whose compiled code an equal one is
-        # served (run 31, call 4: the frozen rows ran the plain code).
+        # Dynamo reads the global config as it traces (``_freezing``); the option also makes this
+        # torch.compile unequal to the plain variant's: an equal one would be served the plain
+        # variant's compiled code (run 31, call 4: the frozen rows ran the plain code).
         options["freezing"] = True
     if not options:
         return torch.compile(model, backend=backend, mode=MODES[mode], dynamic=False)
@@ -349,7 +355,7 @@ def _start(model, variant: str, mode: str, step: str, ids, cache_len: int, profi
     row = {"variant": variant, "mode": mode, "step": step}
     try:
         call = _call(fn, model, step, ids, cache_len)
-        with torch.no_grad(), torch._inductor.config.patch(freezing=variant.endswith(FROZEN)):
+        with torch.no_grad(), _freezing(variant):
             t = time.perf_counter()
             _first_call(call, graphs, profile)
             row["compile_s"] = round(time.perf_counter() - t, 1)
@@ -385,7 +391,8 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
                 if call is None or "error" in row:
                     continue
                 try:  # (decode: calls + 5 + 5 + 1 steps fill fewer than cache_len slots)
-                    ts += [_timed(call, graphs) for _ in range(calls * (r + 1) // ROUNDS - calls * r // ROUNDS)]
+                    with _freezing(row["variant"]):
+                        ts += [_timed(call, graphs) for _ in range(calls * (r + 1) // ROUNDS - calls * r // ROUNDS)]
                 except Exception as e:  # noqa: BLE001
                     row["error"] = _error(e)
         for (row, call), ts in zip(started, times):
@@ -394,11 +401,13 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
             row["step_ms"] = round(statistics.median(ts), 3)
             steps = profiles.get(row["variant"], (None, None))[1]
             if steps:  # (decode: 5 more steps; --cache holds --calls + 11)
-                _host_profiled(call, graphs, 5, steps + "-host.txt")
+                with _freezing(row["variant"]):
+                    _host_profiled(call, graphs, 5, steps + "-host.txt")
             if not torch.cuda.is_available():
                 continue
             try:
-                kernel_ms, kernels, gemm_ms = _profiled(call, graphs, table=steps and steps + "-kernels.txt")
+                with _freezing(row["variant"]):
+                    kernel_ms, kernels, gemm_ms = _profiled(call, graphs, table=steps and steps + "-kernels.txt")
             except Exception as e:  # noqa: BLE001
                 row["error"] = _error(e)
                 continue
