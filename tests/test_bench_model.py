@@ -242,7 +242,7 @@ def test_a_guard_filter_reaches_torch_compile_and_the_rows(monkeypatch):
     assert seen[-1]["options"]["triton.cudagraphs"] is True and "guard_filter_fn" in seen[-1]["options"]
 
 
-def test_a_frozen_variant_compiles_with_freezing_beside_the_plain_one(monkeypatch):
+def test_a_frozen_variant_compiles_with_freezing_beside_the_plain_one(monkeypatch, capsys):
     import torch
 
     seen = {}  # compile's option -> the global config at each call of what it compiled
@@ -277,6 +277,7 @@ def test_a_frozen_variant_compiles_with_freezing_beside_the_plain_one(monkeypatc
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             bench.main(["--variants", "fp8-frozen", "--modes", "default"])
+        assert "the fp8 variants need a CUDA GPU" in capsys.readouterr().err
 
 
 def test_a_frozen_variant_keeps_the_mode_in_its_options(monkeypatch):
