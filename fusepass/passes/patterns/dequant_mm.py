@@ -14,8 +14,9 @@ dequantized int8 or fp8 tensors:
 
 then any epilogue after it (bias, casts, views; see ``epilogue.walk``). A dequantized activation
 may have other users (siblings' matmuls on one dequantized value, as a model that dequantizes
-once writes them and as Inductor's CSE once left q/k/v's under freezing, or anything else): the fused
-op reads ``q_a``, and the dequantization stays for them. A dequantized weight must have no other.
+once writes them and as Inductor's CSE once left q/k/v's under freezing, or anything else):
+the fused op reads ``q_a``, and the dequantization stays for them. A dequantized weight must
+have no other.
 Becomes ``fusepass.scaled_mm(q_a, q_w.t(), s_a, s_w, out_dtype, bias)``, or with a zero
 point ``fusepass.scaled_mm_azp`` with ``azp_adj`` the column sums of ``q_w`` (computed in
 the graph): the integer products are exact instead of products of rounded dequantized
