@@ -51,10 +51,10 @@ def test_version_from_a_source_tree(monkeypatch, capsys):
 def test_check_k_too_large_is_one_clear_line(capsys):
     """The op's own ValueError becomes the command's one-line error (exit status 1), not a traceback."""
     with pytest.raises(SystemExit) as e:
-        cli.main(["check", "-k", "70000", "--device", "cpu"])
+        cli.main(["check", "-k", "131072", "--device", "cpu"])
     message = str(e.value.code)  # SystemExit("...") prints it to stderr and exits 1
     assert isinstance(e.value.code, str) and "\n" not in message
-    assert message.startswith("fusepass check: error: fusepass.scaled_mm_azp: K = 70000 is too large for exact int32")
+    assert message.startswith("fusepass check: error: fusepass.scaled_mm: K = 131072 is too large for exact int32")
 
 
 @pytest.mark.parametrize("argv", [[], ["demo"], ["check"]])

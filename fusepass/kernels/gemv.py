@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled_mm import _bias, _epilogue, _scale_b
+from .scaled_mm import _bias, _epilogue, _scaled
 
 
 @triton.jit
@@ -219,7 +219,7 @@ def scaled_gemv_kernel(
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
     if QUANT:  # the row's scale in a register, then the epilogue's other steps, in its order
-        x = _bias(_scale_b(acc[None, :].to(tl.float32) * x_scale, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL),
+        x = _bias(_scaled(acc[None, :].to(tl.float32), x_scale, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL),
                   offs_n, bias_ptr, HAS_BIAS)
     else:
         x = _epilogue(

@@ -56,32 +56,36 @@ def _epilogue(
     if RAW_ACC:  # no scales: fusepass.int_mm's accumulator
         x = acc
     else:
-        # Zero point first, in the accumulator's integer domain when azp/azp_adj are int32
-        # (exact, as in vLLM's CUTLASS epilogue); fp32 operands promote it to fp32.
+        # Zero point first, exact in int64 where azp / azp_adj are integers (an int32 product or
+        # difference can pass int32's range); an fp32 operand promotes it to fp32.
         if AZP == 1:  # per-tensor: azp_adj already holds z_a * colsum(b)
             adj = tl.load(azp_adj_ptr + offs_n)
-            acc = acc - adj[None, :]
+            if adj.dtype.is_floating():
+                acc = acc - adj[None, :]
+            else:
+                acc = acc.to(tl.int64) - adj.to(tl.int64)[None, :]
         elif AZP == 2:  # per-token: azp[m] * colsum(b)[n]
             adj = tl.load(azp_adj_ptr + offs_n)
             azp = tl.load(azp_ptr + offs_m)
-            acc = acc - azp[:, None] * adj[None, :]
-        x = acc.to(tl.float32)
+            if adj.dtype.is_floating() or azp.dtype.is_floating():
+                acc = acc - azp[:, None] * adj[None, :]
+            else:
+                acc = acc.to(tl.int64) - azp.to(tl.int64)[:, None] * adj.to(tl.int64)[None, :]
         if SCALE_A_PER_TOKEN:
-            x = x * tl.load(scale_a_ptr + offs_m).to(tl.float32)[:, None]
+            sa = tl.load(scale_a_ptr + offs_m).to(tl.float32)[:, None]
         else:
-            x = x * tl.load(scale_a_ptr).to(tl.float32)
-        x = _scale_b(x, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL)
+            sa = tl.load(scale_a_ptr).to(tl.float32)
+        x = _scaled(acc.to(tl.float32), sa, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL)
     return _bias(x, offs_n, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
-def _scale_b(x, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL: tl.constexpr):
-    """``x`` (fp32, scaled by ``scale_a``) times ``scale_b``: the epilogue's second factor."""
+def _scaled(x, sa, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL: tl.constexpr):
+    """``x`` (fp32) times ``sa * scale_b``: the scales' product first, the value's own scale
+    (``acc * sa`` alone can pass fp32's range where the value does not; ``ops/reference.py``)."""
     if SCALE_B_PER_CHANNEL:
-        x = x * tl.load(scale_b_ptr + offs_n).to(tl.float32)[None, :]
-    else:
-        x = x * tl.load(scale_b_ptr).to(tl.float32)
-    return x
+        return x * (sa * tl.load(scale_b_ptr + offs_n).to(tl.float32)[None, :])
+    return x * (sa * tl.load(scale_b_ptr).to(tl.float32))
 
 
 @triton.jit

@@ -60,12 +60,11 @@ from typing import Optional
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.library import triton_op
 
 from ..kernels.blockwise_launch import launch_scaled_mm_blockwise
 from . import eager, reference
 from .checks import check_out_dtype, check_scaled_mm_blockwise_args
-from .scaled_mm import IMPLS, _plain_eager
+from .scaled_mm import register, _plain_eager
 
 Tensor = torch.Tensor
 OP = "fusepass.scaled_mm_blockwise"
@@ -86,8 +85,7 @@ def scaled_mm_blockwise_impl(
     return launch_scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)
 
 
-triton_op("fusepass::scaled_mm_blockwise", scaled_mm_blockwise_impl, mutates_args=())
-IMPLS[torch.ops.fusepass.scaled_mm_blockwise.default] = scaled_mm_blockwise_impl  # lowered as the others
+register("scaled_mm_blockwise", scaled_mm_blockwise_impl)
 
 
 def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:

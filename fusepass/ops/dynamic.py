@@ -55,12 +55,11 @@ from typing import Optional
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.library import triton_op
 
 from ..kernels.launch import floors_first, gemv_quantizes, launch_gemv_quantized
 from .checks import (INPUT_DTYPES, MAX_K_INT8, OUT_DTYPES, _check_bias, _check_devices, _check_k, _check_scale,
                      _check_tensor, _describe, check_gpu, check_out_dtype)
-from .scaled_mm import IMPLS, _compute, _plain_eager
+from .scaled_mm import register, _compute, _plain_eager
 
 Tensor = torch.Tensor
 OP = "fusepass.scaled_mm_dynamic"
@@ -78,6 +77,7 @@ def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float,
     scale = amax.clamp(min=floor) / divisor if floors_first(dtype, floor_first) else (amax / divisor).clamp(min=floor)
     if dtype == torch.float8_e4m3fn:
         return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+    scale = torch.where(scale.isinf(), float("nan"), scale)  # (linear.nan_if_infinite: why)
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
 
 
@@ -137,8 +137,7 @@ def scaled_mm_dynamic_impl(
     return _compute(q, b, scale_a, scale_b, out_dtype, bias)
 
 
-triton_op("fusepass::scaled_mm_dynamic", scaled_mm_dynamic_impl, mutates_args=())
-IMPLS[torch.ops.fusepass.scaled_mm_dynamic.default] = scaled_mm_dynamic_impl  # lowered as the others
+register("scaled_mm_dynamic", scaled_mm_dynamic_impl)
 
 
 @torch.library.register_fake("fusepass::scaled_mm_dynamic")

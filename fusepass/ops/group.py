@@ -30,11 +30,10 @@ from typing import Optional
 
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
-from torch.library import triton_op
 
 from ..kernels.group_launch import MAX_MEMBERS, launch_scaled_mm_group, launch_variant
 from .checks import check_out_dtype, check_scaled_mm_args
-from .scaled_mm import IMPLS, _compute, _plain_eager
+from .scaled_mm import register, _compute, _plain_eager
 
 Tensor = torch.Tensor
 OP = "fusepass.scaled_mm_group"
@@ -83,8 +82,7 @@ def scaled_mm_group_impl(
     return [_compute(a, bi, scale_a, si, out_dtype, biasi) for bi, si, biasi in zip(b, scale_b, bias)]
 
 
-triton_op("fusepass::scaled_mm_group", scaled_mm_group_impl, mutates_args=())
-IMPLS[torch.ops.fusepass.scaled_mm_group.default] = scaled_mm_group_impl  # lowered as the others
+register("scaled_mm_group", scaled_mm_group_impl)
 
 
 def scaled_mm_group(a, b, scale_a, scale_b, out_dtype, bias=None) -> list:

@@ -29,15 +29,17 @@ def zero_point_correction(
 ) -> torch.Tensor:
     """``acc - azp_adj`` (per-tensor) or ``acc - azp[:, None] * azp_adj`` (per-token).
 
-    Integer operands keep it integer, exact (int32, or int64 where one is int64); a
-    float32 operand makes it fp32 (the kernel's promotion rule).
+    Integer operands keep it integer and exact, in int64 (int32 terms can pass int32's range:
+    ``azp = 2**20`` times a column sum of 4096); a float32 operand makes it fp32 (the kernel's
+    promotion rule).
     """
     adj = azp_adj.reshape(1, -1)
     if azp is not None:
-        adj = azp.reshape(-1, 1) * adj
+        adj = azp.reshape(-1, 1) * adj if adj.dtype.is_floating_point or azp.dtype.is_floating_point \
+            else azp.reshape(-1, 1).long() * adj.long()
     if adj.dtype.is_floating_point:
-        acc = acc.to(torch.float32)
-    return acc - adj
+        return acc.to(torch.float32) - adj
+    return acc.long() - adj.long()
 
 
 def epilogue(
@@ -47,10 +49,13 @@ def epilogue(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Scale rows and columns of the accumulator, add bias, round once to ``out_dtype``."""
+    """Scale rows and columns of the accumulator, add bias, round once to ``out_dtype``. The
+    two scales are multiplied first (the kernel's order): their product is the value's own
+    scale, where ``acc * scale_a`` alone can pass fp32's range (1e36 and 1e-20 gave -inf where
+    the value was -5e20)."""
     x = acc.to(torch.float32)
     scale_a, scale_b = scale_a.to(torch.float32), scale_b.to(torch.float32)  # (bf16 / fp16: exact)
-    return add_bias_and_round(x * scale_a.reshape(-1, 1) * scale_b.reshape(1, -1), out_dtype, bias)
+    return add_bias_and_round(x * (scale_a.reshape(-1, 1) * scale_b.reshape(1, -1)), out_dtype, bias)
 
 
 def add_bias_and_round(x: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:

@@ -107,11 +107,30 @@ def int_mm_impl(a: Tensor, b: Tensor) -> Tensor:
     return _compute(a, b, None, None, torch.int32, None)
 
 
-# The registrations, and the implementation each op's node is lowered to (fusepass.passes.lower).
+# The implementation each op's node is lowered to (fusepass.passes.lower).
 IMPLS = {}
+
+
+def register(name: str, impl) -> None:
+    """``fusepass::<name>``: a triton_op of ``impl``, lowered as ``impl`` (``IMPLS``), with no
+    gradient: a call that would need one raises at the forward (without this, at ``backward()``)."""
+    triton_op(f"fusepass::{name}", impl, mutates_args=())
+    IMPLS[getattr(torch.ops.fusepass, name).default] = impl
+
+    def refuse(ctx, inputs, output):
+        raise RuntimeError(
+            f"fusepass.{name} has no gradient: its operands are quantized values. The input gradient of a frozen "
+            "quantized linear is its dequantized weight's: fusepass.prepare(model) converts linears into "
+            "fusepass.W8A8Linear, which computes it; or call the op under torch.no_grad()")
+    torch.library.register_autograd(f"fusepass::{name}", _no_backward, setup_context=refuse)
+
+
+def _no_backward(ctx, *grads):  # (never reached: ``refuse`` raises first)
+    raise RuntimeError("fusepass ops have no gradient")
+
+
 for _name, _impl in (("scaled_mm", scaled_mm_impl), ("scaled_mm_azp", scaled_mm_azp_impl), ("int_mm", int_mm_impl)):
-    triton_op(f"fusepass::{_name}", _impl, mutates_args=())
-    IMPLS[getattr(torch.ops.fusepass, _name).default] = _impl
+    register(_name, _impl)
 
 
 # Fake implementations: the checks and the output's metadata, no arithmetic. Without them a

@@ -59,14 +59,38 @@ def test_int32_accumulator_is_exact(M, N, K):
 
 
 def test_int32_zero_point_correction_is_exact():
-    # acc and azp * colsum are both large; their int32 difference must be exact, which
-    # an fp32 subtraction (24-bit mantissa) would not be.
+    # acc and azp * colsum are both large; their integer difference must be exact, which
+    # an fp32 subtraction (24-bit mantissa) would not be. It is taken in int64.
     p = make_problem(4, 8, 4096, azp="token")
     acc = reference.accumulate(p.a, p.b)
     corrected = reference.zero_point_correction(acc, p.azp_adj, p.azp)
-    assert corrected.dtype == torch.int32
+    assert corrected.dtype == torch.int64
     exact = p.a.long() @ p.b.long() - p.azp.long()[:, None] * p.azp_adj.long()[None, :]
-    assert torch.equal(corrected.long(), exact)
+    assert torch.equal(corrected, exact)
+
+
+# Integer zero-point terms whose product or difference passes int32's range (they wrapped
+# around: 4 - 2**20 * 4096 gave 4): every value here is an integer fp32 holds exactly.
+ZERO_POINTS_PAST_INT32 = {
+    "tensor": (torch.full((3,), 2**31 - 1, dtype=torch.int32), None, -(2**31 - 1) - 4),
+    "token": (torch.full((3,), 4096, dtype=torch.int32), torch.full((2,), 2**20, dtype=torch.int32), 4 - 2**32),
+}
+
+
+@pytest.mark.parametrize("azp", list(ZERO_POINTS_PAST_INT32))
+def test_zero_point_terms_past_int32_are_exact(azp):
+    azp_adj, zp, value = ZERO_POINTS_PAST_INT32[azp]
+    sign = -1 if azp == "tensor" else 1  # (acc = -4, or +4)
+    a, b = torch.ones(2, 4, dtype=torch.int8), torch.full((4, 3), sign, dtype=torch.int8)
+    out = fusepass.scaled_mm_azp(a, b, torch.ones(1), torch.ones(1), torch.float32, azp_adj, zp)
+    assert torch.equal(out, torch.full((2, 3), float(value)))
+
+
+def test_scales_are_multiplied_together_first():
+    """``acc * scale_a`` alone passes fp32's range here (-4e40); the value, -4e20, does not."""
+    a, b = torch.full((2, 4), 100, dtype=torch.int8), torch.full((4, 3), -100, dtype=torch.int8)
+    out = fusepass.scaled_mm(a, b, torch.full((2, 1), 1e36), torch.full((3,), 1e-20), torch.float32)
+    torch.testing.assert_close(out, torch.full((2, 3), -4e20), rtol=1e-6, atol=0)
 
 
 def test_zero_point_matches_dequantized_activations():
