@@ -14,10 +14,20 @@ from ._compat import warn_untested
 from .backend import fusepass_backend, inductor_options
 from .explain import Report, explain
 from .integrations import Preparation, W8A8Linear, prepare
+from .integrations.saved import register_when_imported
 from .ops import int_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise, scaled_mm_dynamic, scaled_mm_group
 from .passes import FusePass, PassConfig
 
+
+
+def _register_format() -> None:
+    from .integrations import hf
+
+    hf.register()
+
+
 warn_untested()
+register_when_imported(_register_format)  # (fusepass's checkpoint format, for transformers' from_pretrained)
 
 __all__ = [
     "FusePass",

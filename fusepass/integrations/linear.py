@@ -28,6 +28,7 @@ from torch import nn
 
 from .._compat import exporting
 from ..kernels.blockwise import BLOCK  # (fp8-block: the group width, and the weight's block side)
+from ..ops.checks import MAX_K_INT8
 
 # float32's eps: torchao's floor for a per-token scale (an all-zero row quantizes to zeros)
 SCALE_EPS = torch.finfo(torch.float32).eps
@@ -69,7 +70,7 @@ def quantize_rows(x: torch.Tensor, act: Act):
     if act.kind == "int8-asym":
         lo, hi = xf.aminmax(dim=-1, keepdim=True)
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)  # (the range holds 0: zero stays exact)
-        scale = ((hi - lo) / 255).clamp(min=SCALE_EPS)
+        scale = nan_if_infinite(((hi - lo) / 255).clamp(min=SCALE_EPS))
         zp = (-128 - (lo / scale).round()).clamp(-128, 127)
         q = ((xf / scale).round() + zp).clamp(-128, 127).to(torch.int8)
         return q, scale, zp.to(torch.int32).reshape(-1)
@@ -77,8 +78,16 @@ def quantize_rows(x: torch.Tensor, act: Act):
     if act.kind == "fp8":
         scale = amax.clamp(min=act.floor) / 448.0
         return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None
-    scale = (amax / act.divisor).clamp(min=SCALE_EPS)
+    scale = nan_if_infinite((amax / act.divisor).clamp(min=SCALE_EPS))
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale, None
+
+
+def nan_if_infinite(scale: torch.Tensor) -> torch.Tensor:
+    """An int8 row's scale, NaN where it is infinite (an infinity in the row): its values are
+    then ``inf / inf`` and rounding NaN to int8 has no defined result (0 in eager, others
+    compiled), so without it the row's outputs were NaN eagerly and +-inf compiled; with it
+    they are NaN everywhere (``docs/OPS.md``). An fp8 row needs none: e4m3 holds the NaN."""
+    return torch.where(scale.isinf(), float("nan"), scale)
 
 
 # Every distinct Act of this process, once. A module holds its Act's index here, not the Act:
@@ -107,7 +116,12 @@ class Joint(nn.Module):
     """The weights of one or more sibling linears, rows in order:
     ``weight`` (N, K) int8 / fp8, ``weight_scale`` (N,) fp32 (``fp8-block``: (N / 128, K / 128),
     one per 128x128 block), ``colsum`` (N,) int32 (the weight's row sums, for asymmetric
-    activations) and ``bias`` (N,), each or None."""
+    activations) and ``bias`` (N,), each or None. The quantized values are buffers; the bias is a
+    Parameter (trainable as the biases it joins were: ``requires_grad`` theirs).
+
+    Its state is saved and loaded by the linears that read it, each its own rows
+    (``W8A8Linear``): a state dict holds no tensor twice, and loads into a model whose siblings
+    are joined otherwise (or not at all)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
                  colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None):
@@ -115,21 +129,41 @@ class Joint(nn.Module):
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("colsum", colsum)
-        self.register_buffer("bias", bias)
+        if bias is not None and not isinstance(bias, nn.Parameter):
+            bias = nn.Parameter(bias, requires_grad=False)
+        self.register_parameter("bias", bias)
 
     def _apply(self, fn, recurse=True):
-        """``.to(device)`` moves the quantized values and scales; ``.to(dtype)``, ``.half()``,
-        ``.bfloat16()`` leave their dtypes as they are (an fp8 weight is floating point to
-        torch, and fp32 scales would be rounded): only the bias follows."""
-        for name, t in self._buffers.items():
-            if t is not None:
-                self._buffers[name] = fn(t) if name == "bias" else t.to(fn(torch.empty(0, device=t.device)).device)
-        return self
+        """``fn`` applied to every tensor (``.to(device)``, ``to_empty``, ``share_memory``, ...),
+        except that the quantized values and scales keep their dtypes: ``.to(dtype)``,
+        ``.half()``, ``.bfloat16()`` convert floating tensors, an fp8 weight and fp32 scales
+        among them, and would change what they hold. Only the bias follows."""
+        kept = {id(t) for t in (self.weight, self.weight_scale, self.colsum) if t is not None}
+
+        def keep_dtype(t):
+            out = fn(t)
+            return t.to(out.device) if id(t) in kept and out.dtype != t.dtype else out
+        return super()._apply(keep_dtype, recurse)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        pass  # (each linear saves its rows)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # (each linear loads its rows; a key here is not of this format)
+        unexpected_keys.extend(k for k in state_dict if k.startswith(prefix))
 
 
 class W8A8Linear(nn.Module):
     """Rows ``[lo, hi)`` of ``joint``, applied as a linear layer with activations quantized
-    per token by ``act``."""
+    per token by ``act``.
+
+    As an ``nn.Linear`` it has ``in_features``, ``out_features``, ``weight`` (its rows of the
+    quantized values, (out_features, in_features) int8 / fp8), ``bias`` (its rows of the joint
+    bias, or None) and ``weight_scale``; its state dict holds those three under those names
+    (no tensor shared between siblings), and ``load_state_dict`` copies them into its rows.
+    The gradient with respect to the input is that of the dequantized weight (the
+    straight-through estimate of the activation's rounding), as for a frozen float linear."""
 
     def __init__(self, joint: Joint, lo: int, hi: int, act: Act):
         super().__init__()
@@ -140,6 +174,24 @@ class W8A8Linear(nn.Module):
     @property
     def act(self) -> Act:
         return ACTS[self.act_index]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The quantized weight, (out_features, in_features): the joint's rows."""
+        return self._rows(self.joint.weight)
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """Per output row (out_features,) fp32, or per 128x128 block (``fp8-block``)."""
+        return _rows(self.joint.weight_scale, self.lo, self.hi, self.act.kind)
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The joint bias's rows (a lone linear's: its own Parameter), or None."""
+        return None if self.joint.bias is None else self._rows(self.joint.bias)
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t if (self.lo, self.hi) == (0, t.shape[0]) else t[self.lo:self.hi]
 
     def __getstate__(self):  # pickled with the Act itself: another process has other ACTS
         state = dict(self.__dict__)
@@ -152,29 +204,141 @@ class W8A8Linear(nn.Module):
         super().__setstate__(state)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype not in X_DTYPES:
+            raise TypeError(f"fusepass.W8A8Linear: the input must be bfloat16, float16 or float32 (it is quantized "
+                            f"per token); got {x.dtype}, shape {tuple(x.shape)}")
+        j = self.joint
+        args = (x, j.weight, j.weight_scale, j.colsum, j.bias, self.lo, self.hi, self.act_index)
+        if torch.is_grad_enabled() and (x.requires_grad or (j.bias is not None and j.bias.requires_grad)):
+            return _WithGradient.apply(*args)
+        return _forward(*args)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name in ("weight", "weight_scale", "bias"):
+            t = getattr(self, name)
+            if t is not None:
+                destination[prefix + name] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        """Each tensor copied into this linear's rows of the joint, shape and dtype checked (a
+        bias may come in another floating dtype); a joint still on the meta device is made
+        first, on the device of what loads into it. The row sums follow the weight."""
         j, lo, hi = self.joint, self.lo, self.hi
-        act = ACTS[self.act_index]
-        if torch.compiler.is_compiling():
-            args = (x, j.weight, j.weight_scale, j.colsum, j.bias, lo, hi, act.kind, act.divisor, act.floor)
-            # (exported: the ATen forms, so a saved program needs no fusepass to load)
-            if exporting():
-                return _traced(*args, SOURCE)
-            return torch.ops.fusepass.w8a8_linear(*args, SOURCE)
-        q, scale, zp, w = _operands(x, j.weight, lo, hi, act)
-        bias = None if j.bias is None else j.bias[lo:hi]
-        if act.kind == "fp8-block":
-            blocks = j.weight_scale[lo // BLOCK:hi // BLOCK]  # (N / 128, K / 128)
-            y = torch.ops.fusepass.scaled_mm_blockwise(q, w, scale, blocks.t(), x.dtype, bias)
-        elif zp is None:
-            y = torch.ops.fusepass.scaled_mm(q, w, scale, j.weight_scale[lo:hi], x.dtype, bias)
-        else:
-            y = torch.ops.fusepass.scaled_mm_azp(q, w, scale, j.weight_scale[lo:hi], x.dtype,
-                                                 j.colsum[lo:hi], zp, bias)
-        return y.reshape(*x.shape[:-1], hi - lo)
+        for name in ("weight", "weight_scale", "bias"):
+            key, mine = prefix + name, getattr(self, name)
+            if mine is None:
+                continue
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            floating = name == "bias" and value.is_floating_point()
+            if value.shape != mine.shape or not (floating or value.dtype == mine.dtype):
+                error_msgs.append(f"size or dtype mismatch for {key}: copying {tuple(value.shape)} {value.dtype} "
+                                  f"into {tuple(mine.shape)} {mine.dtype} (a fusepass.W8A8Linear's rows)")
+                continue
+            whole = "bias" if name == "bias" else name
+            if getattr(j, whole).is_meta:  # (built on the meta device: made where the values are)
+                made = torch.empty_like(getattr(j, whole), device=value.device)
+                if name == "bias":
+                    j.bias = nn.Parameter(made, requires_grad=j.bias.requires_grad)
+                else:
+                    j._buffers[name] = made
+                mine = getattr(self, name)
+            with torch.no_grad():
+                mine.copy_(value)
+                if name == "weight" and j.colsum is not None:
+                    if j.colsum.is_meta:
+                        j.colsum = torch.empty_like(j.colsum, device=value.device)
+                    j.colsum[lo:hi] = value.sum(1, dtype=torch.int32)
+        if strict:
+            ours = {prefix + n for n in ("weight", "weight_scale", "bias")}
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours
+                                   and not k.startswith(prefix + "joint."))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, act={self.act.kind}, "
                 f"rows=[{self.lo}, {self.hi}) of {self.joint.weight.shape[0]}")
+
+
+def _rows(weight_scale: torch.Tensor, lo: int, hi: int, kind: str) -> torch.Tensor:
+    """Rows [lo, hi)'s scales: per row, or (``fp8-block``) the blocks' rows."""
+    return weight_scale[lo // BLOCK:hi // BLOCK] if kind == "fp8-block" else weight_scale[lo:hi]
+
+
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _forward(x, weight, weight_scale, colsum, bias, lo, hi, index):
+    """Rows [lo, hi) of the joint applied to ``x``: traced as one ``fusepass::w8a8_linear`` node
+    (exported, the ATen forms); eagerly, on fusepass's ops."""
+    act = ACTS[index]
+    if torch.compiler.is_compiling():
+        args = (x, weight, weight_scale, colsum, bias, lo, hi, act.kind, act.divisor, act.floor)
+        # (exported: the ATen forms, so a saved program needs no fusepass to load)
+        if exporting():
+            return _traced(*args, SOURCE)
+        return torch.ops.fusepass.w8a8_linear(*args, SOURCE)
+    q, scale, zp, w = _operands(x, weight, lo, hi, act)
+    bias = None if bias is None else bias[lo:hi]
+    if act.kind == "fp8-block":
+        y = torch.ops.fusepass.scaled_mm_blockwise(q, w, scale, _rows(weight_scale, lo, hi, act.kind).t(), x.dtype, bias)
+    elif q.dtype == torch.int8 and q.shape[1] > MAX_K_INT8:
+        y = _split_k(q, w, scale, weight_scale[lo:hi], x.dtype, bias, None if zp is None else (colsum[lo:hi], zp))
+    elif zp is None:
+        y = torch.ops.fusepass.scaled_mm(q, w, scale, weight_scale[lo:hi], x.dtype, bias)
+    else:
+        y = torch.ops.fusepass.scaled_mm_azp(q, w, scale, weight_scale[lo:hi], x.dtype, colsum[lo:hi], zp, bias)
+    return y.reshape(*x.shape[:-1], hi - lo)
+
+
+def _split_k(q, w, scale, weight_scale, out_dtype, bias, zero_point):
+    """The product over a K too long for one exact int32 sum (``MAX_K_INT8``), as torchao computes
+    it: each run of K exact, the runs' scaled fp32 results added, the zero-point term (the
+    whole weight's row sums) taken with the first; then the bias, one rounding."""
+    y = None
+    for k in range(0, q.shape[1], MAX_K_INT8):
+        part = (q[:, k:k + MAX_K_INT8], w[k:k + MAX_K_INT8], scale, weight_scale, torch.float32)
+        if zero_point is not None and k == 0:
+            colsum, zp = zero_point
+            p = torch.ops.fusepass.scaled_mm_azp(*part, colsum, zp)
+        else:
+            p = torch.ops.fusepass.scaled_mm(*part)
+        y = p if y is None else y + p
+    return (y if bias is None else y + bias.float()).to(out_dtype)
+
+
+class _WithGradient(torch.autograd.Function):
+    """A prepared linear where its input (or bias) needs a gradient: the forward as without,
+    and the gradient of a float linear with the dequantized weight (the quantization of the
+    activation passed straight through, as quantization-aware training and adapters on frozen
+    quantized bases take it). The weights are constants: no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, weight_scale, colsum, bias, lo, hi, index):
+        ctx.save_for_backward(weight, weight_scale)
+        ctx.rows, ctx.index, ctx.x_dtype, ctx.bias_rows = (lo, hi), index, x.dtype, None if bias is None else bias.shape[0]
+        return _forward(x, weight, weight_scale, colsum, bias, lo, hi, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, weight_scale = ctx.saved_tensors
+        (lo, hi), kind = ctx.rows, ACTS[ctx.index].kind
+        g = grad.reshape(-1, hi - lo)
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            w, dtype = weight[lo:hi], ctx.x_dtype
+            if kind == "fp8-block":
+                spread = _rows(weight_scale, lo, hi, kind).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+                grad_x = g.to(dtype) @ (w.float() * spread[:, :w.shape[1]]).to(dtype)
+            else:
+                grad_x = (g.float() * weight_scale[lo:hi]).to(dtype) @ w.to(dtype)
+            grad_x = grad_x.reshape(*grad.shape[:-1], w.shape[1])
+        if ctx.needs_input_grad[4]:
+            grad_bias = g.new_zeros(ctx.bias_rows)
+            grad_bias[lo:hi] = g.sum(0)
+        return grad_x, None, None, None, grad_bias, None, None, None
 
 
 # What a compiler sees of a W8A8Linear: one node, ``fusepass::w8a8_linear``, for Dynamo to

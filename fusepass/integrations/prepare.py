@@ -25,8 +25,14 @@ What it converts (the checkpoint's quantized values and scales, never re-quantiz
   groups ("FP8_BLOCK", fusepass's block-wise op); the activation scales as compressed-tensors
   computes them (amax / 127.5, amax / 448). Its decompression hook and offload wrappers go.
 
+- fusepass's own checkpoints (``saved.py``: what ``save_pretrained`` writes of a prepared model),
+  as ``from_pretrained`` loads them.
+
 Anything else quantized (weight-only, per-group, static or pre-scaled activations, another
-library's type) is left as it is, and the returned ``Preparation`` says why, by module.
+library's type) is left as it is, and the returned ``Preparation`` says why, by module; so is a
+linear whose replacement would change what the model does (``_changed_behaviour``). What a
+converted module keeps of the one it replaced (gradients, state dicts, device moves): the
+``W8A8Linear`` docstring and ``docs/PREPARE.md``.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import saved
 from .linear import BLOCK, Act, Joint, W8A8Linear
 
 log = logging.getLogger("fusepass.prepare")
@@ -98,7 +105,9 @@ def _torchao(w) -> _Quantized | str | None:
     if name == "Int8Tensor":
         if getattr(w, "reduce_range", False) or getattr(kwargs, "reduce_range", False):
             return "torchao Int8Tensor with reduce_range=True is not supported"
-        if w.zero_point is not None and bool(w.zero_point.ne(0).any()):
+        # (on the meta device there are no values to check: what loads into the converted module
+        # later is its own state, a symmetric weight's values and scales)
+        if w.zero_point is not None and not w.zero_point.is_meta and bool(w.zero_point.ne(0).any()):
             return "torchao Int8Tensor with asymmetric weights (a non-zero weight zero point) is not supported"
         kind = {"SYMMETRIC": "int8", "ASYMMETRIC": "int8-asym"}.get(kwargs.mapping_type.name)
         if kind is None:
@@ -160,7 +169,7 @@ def _compressed_tensors(linear: nn.Linear) -> _Quantized | str | None:
         return f"{name}: weight_scale of shape {tuple(scale.shape)} for a {(N, K)} weight"
     scale = scale.reshape(shape)
     target = torch.float8_e4m3fn if fp8 else torch.int8
-    if weight.dtype != target:  # decompressed by a first forward: q * scale in the model's dtype
+    if weight.dtype != target and not weight.is_meta:  # decompressed by a first forward: q * scale in the model's dtype
         spread = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1) if block else scale[:, None]
         q = weight.float() / spread
         q = q.clamp(-448.0, 448.0).to(target) if fp8 else q.round().clamp(-128, 127).to(target)
@@ -190,8 +199,15 @@ def _undo_compressed_tensors(model: nn.Module, left: list[nn.Module]) -> None:
             decompress_module(module)
 
 
+def _stored(module) -> _Quantized | None:
+    """A linear of a fusepass checkpoint as ``from_pretrained`` loaded it (``saved.py``)."""
+    if not isinstance(module, saved.Stored):
+        return None
+    return _Quantized(module.weight.detach(), module.weight_scale.detach(), module.act)
+
+
 # Formats prepare recognizes: each maps a linear to its values, a reason, or None.
-FORMATS = (lambda linear: _torchao(getattr(linear, "weight", None)), _compressed_tensors)
+FORMATS = (lambda linear: _torchao(getattr(linear, "weight", None)), _compressed_tensors, _stored)
 
 
 def _recognize(linear: nn.Linear) -> _Quantized | str | None:
@@ -202,13 +218,42 @@ def _recognize(linear: nn.Linear) -> _Quantized | str | None:
     return None
 
 
+def _changed_behaviour(linear: nn.Linear) -> str | None:
+    """Why replacing ``linear`` would change what the model does, or None: a subclass (its own
+    methods and attributes), hooks (they would not run on the new module), or a forward replaced
+    on the instance by something other than the format prepare takes apart (compressed-tensors')."""
+    cls = type(linear)
+    if cls is not nn.Linear:
+        own = " and its own forward" if cls.forward is not nn.Linear.forward else ""
+        return (f"a {cls.__module__}.{cls.__qualname__} (a subclass of nn.Linear{own}): its behaviour would be "
+                "lost; prepare converts nn.Linear itself")
+    hooks = [kind for kind, held in (("forward pre-hooks", linear._forward_pre_hooks), ("forward hooks", linear._forward_hooks),
+                                     ("backward pre-hooks", linear._backward_pre_hooks),
+                                     ("backward hooks", linear._backward_hooks)) if held]
+    if hooks:
+        return (f"it has {' and '.join(hooks)}, which the converted module would not run; register them after "
+                "prepare, on the new module")
+    if "forward" in linear.__dict__ and _ct_scheme(linear) is None:
+        return ("its forward is replaced on the instance (an offload or dispatch hook, a wrapper), which the converted "
+                "module would not run")
+    return None
+
+
 def _joint(members: list[tuple[str, nn.Linear, _Quantized]]) -> Joint:
     q = [m[2] for m in members]
     weight = torch.cat([x.weight for x in q]) if len(q) > 1 else q[0].weight.contiguous()
     colsum = weight.sum(1, dtype=torch.int32) if q[0].act.kind == "int8-asym" else None
     biases = [m[1].bias for m in members]
-    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    if biases[0] is None:
+        bias = None
+    elif len(biases) == 1:
+        bias = biases[0]  # (the linear's own Parameter)
+    else:
+        bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=biases[0].requires_grad)
     return Joint(weight, torch.cat([x.scale for x in q]), colsum, bias)
+
+
+ROOT = "(the model itself)"
 
 
 def prepare(model: nn.Module, join: bool = True) -> Preparation:
@@ -217,40 +262,68 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
     weights in a buffer of its own (siblings then run as separate matmuls).
 
     Call it once, after quantizing (or loading) and before ``torch.compile``; the model then
-    runs in eager too, on fusepass's ops."""
+    runs in eager too, on fusepass's ops. A linear held in several places is converted once
+    and replaced in each (alone in its buffer); one whose replacement would change what the
+    model does (a subclass, hooks: ``_changed_behaviour``) is left, with the reason."""
     report = Preparation()
     # each linear read once (after a first forward, reading a compressed-tensors weight divides it)
-    found_in = {m: _recognize(m) for m in model.modules() if isinstance(m, nn.Linear)}
+    found_in = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            found = _recognize(m)
+            found_in[m] = (_changed_behaviour(m) or found) if isinstance(found, _Quantized) else found
+        elif isinstance(m, saved.Stored):
+            found_in[m] = _stored(m)
     compressed = [m for m in found_in if _ct_scheme(m) is not None]
     if compressed:
         _undo_compressed_tensors(model, [m for m in compressed if isinstance(found_in[m], str)])
+    if found_in.get(model) is not None:
+        report.left[ROOT] = (found_in[model] if isinstance(found_in[model], str) else
+                             "the model is itself a quantized linear, and prepare replaces a model's linears "
+                             "in their parents; pass a module that holds it (nn.Sequential(linear))")
+    held = defaultdict(int)  # linear -> the number of places that hold it
+    for parent in model.modules():
+        for child in parent._modules.values():
+            if child in found_in:
+                held[child] += 1
+    converted: dict[nn.Module, W8A8Linear] = {}
     for parent_path, parent in list(model.named_modules()):
         # the children to convert, grouped by what one shared buffer needs in common
         groups: dict[tuple, list] = defaultdict(list)
-        for name, child in parent.named_children():
-            if not isinstance(child, nn.Linear):
+        for name, child in list(parent._modules.items()):
+            if child not in found_in:
                 continue
             path = f"{parent_path}.{name}" if parent_path else name
             found = found_in[child]
-            if isinstance(found, str):
+            if child in converted:  # (held here too)
+                setattr(parent, name, converted[child])
+                report.converted[path] = converted[child].act.kind
+            elif isinstance(found, str):
                 report.left[path] = found
                 log.debug("fusepass.prepare: left %s as it is: %s", path, found)
-            elif found is not None:
+            elif found is not None and not any(child is m[1] for members in groups.values() for m in members):
                 bias = child.bias
-                alone = not join
+                alone = not join or held[child] > 1
                 key = (found.act, found.weight.shape[1], found.weight.device,
-                       None if bias is None else bias.dtype, name if alone else None)
+                       None if bias is None else (bias.dtype, bias.requires_grad), name if alone else None)
                 groups[key].append((name, child, found))
         for members in groups.values():
             joint = _joint(members)
             lo = 0
-            for name, _, q in members:
+            for name, child, q in members:
                 hi = lo + q.weight.shape[0]
-                setattr(parent, name, W8A8Linear(joint, lo, hi, q.act))
+                converted[child] = W8A8Linear(joint, lo, hi, q.act)
+                setattr(parent, name, converted[child])
                 report.converted[f"{parent_path}.{name}" if parent_path else name] = q.act.kind
                 lo = hi
             if len(members) > 1:
                 report.joined.append([f"{parent_path}.{m[0]}" if parent_path else m[0] for m in members])
+        for name, child in list(parent._modules.items()):  # (a linear held here twice: its other names)
+            if child in converted:
+                setattr(parent, name, converted[child])
+                report.converted[f"{parent_path}.{name}" if parent_path else name] = converted[child].act.kind
+    if report.converted:
+        saved.attach(model)
     if report.left:
         reasons = sorted(set(report.left.values()))
         log.warning("fusepass.prepare: left %d quantized linear%s as %s: %s", len(report.left),

@@ -39,6 +39,7 @@ leaves them to their kernels.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -75,7 +76,11 @@ def _abs_of(node):
 def _scale(s):
     """(abs(x), D, F, floor_first) where ``s`` is ``clamp_min(amax(abs(x)) / D, F)`` or
     (``floor_first``) ``clamp_min(amax(abs(x)), F) / D``, with D > 0 and F >= 0 (what the op
-    takes), else None."""
+    takes), or either with an infinite value made NaN (``where(isinf(s), nan, s)``: a prepared
+    int8 linear's, which the op's kernel computes too), else None."""
+    if (is_call(s, aten.where.self) and is_call(s.args[0], aten.isinf.default) and s.args[0].args[0] is s.args[2]
+            and is_call(s.args[1], aten.full.default) and math.isnan(s.args[1].args[1])):
+        s = s.args[2]
     if is_call(s, aten.div.Tensor) and is_call(s.args[0], aten.clamp_min.default):
         div, clamp, floor_first = s, s.args[0], True
     elif is_call(s, aten.clamp_min.default) and is_call(s.args[0], aten.div.Tensor):

@@ -1,0 +1,138 @@
+"""A prepared model saved with ``save_pretrained`` and loaded back with ``from_pretrained``.
+
+The format (``quant_method: "fusepass"`` in the checkpoint's ``config.json``): each converted
+linear's own tensors under its own names, as ``W8A8Linear``'s state dict holds them (``weight``
+int8 / fp8 (N, K), ``weight_scale`` fp32 (N,) or one per 128x128 block, ``bias``), and
+``quantization_config.schemes``: each activation recipe (``Act``: kind, divisor, floor) with
+the paths of the linears that use it. Nothing is re-quantized or rounded: the values and scales
+load bit for bit, and ``prepare`` joins the siblings again.
+
+``prepare`` writes that config into a transformers model's ``config``, so ``save_pretrained``
+writes the format. ``from_pretrained`` reads it once
+fusepass is imported (before or after transformers: ``register_when_imported``): the quantizer
+(``hf.py``) puts a ``Stored`` module where each linear was, transformers loads the tensors into
+them, and ``prepare`` converts them. Without fusepass, transformers refuses the checkpoint
+("Unknown quantization type, got fusepass"), rather than loading int8 values as bf16 weights.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import sys
+
+import torch
+from torch import nn
+
+from .linear import BLOCK, Act, W8A8Linear
+
+log = logging.getLogger("fusepass.prepare")
+
+QUANT_METHOD = "fusepass"
+VERSION = 1
+_TRANSFORMERS_REGISTRY = "transformers.quantizers"  # (its __init__ imports the registry, auto.py)
+
+
+class Stored(nn.Module):
+    """A converted linear as ``from_pretrained`` loads it, before ``prepare`` joins it with its
+    siblings: the checkpoint's tensors as Parameters of the dtypes they were saved in (so the
+    loader neither casts nor rounds them)."""
+
+    def __init__(self, in_features: int, out_features: int, act: Act, bias: torch.Tensor | None, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.act = in_features, out_features, act
+        dtype = torch.float8_e4m3fn if act.kind.startswith("fp8") else torch.int8
+        scale = (out_features // BLOCK, in_features // BLOCK) if act.kind == "fp8-block" else (out_features,)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(scale, dtype=torch.float32, device=device), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(torch.empty_like(bias, device=device))
+
+    def forward(self, x):
+        raise RuntimeError("fusepass: a stored W8A8 linear runs once fusepass.prepare(model) has converted it "
+                           "(from_pretrained does so when it loads a fusepass checkpoint)")
+
+
+def describe(model: nn.Module) -> dict:
+    """The ``quantization_config`` of ``model``'s ``W8A8Linear``s (module docstring)."""
+    schemes: dict[Act, list[str]] = {}
+    for path, m in model.named_modules(remove_duplicate=False):
+        if isinstance(m, W8A8Linear):
+            schemes.setdefault(m.act, []).append(path)
+    return {"quant_method": QUANT_METHOD, "version": VERSION,
+            "schemes": [{"kind": act.kind, "divisor": act.divisor, "floor": act.floor, "modules": paths}
+                        for act, paths in schemes.items()]}
+
+
+def stored_schemes(config: dict) -> dict[str, Act]:
+    """Module path -> Act, from a ``quantization_config`` of this format (checked)."""
+    version = config.get("version")
+    if version != VERSION:
+        raise ValueError(f"fusepass: a checkpoint of format version {version!r}; this fusepass reads version "
+                         f"{VERSION}")
+    return {path: Act(s["kind"], float(s["divisor"]), float(s["floor"]))
+            for s in config.get("schemes", []) for path in s["modules"]}
+
+
+def replace_for_loading(model: nn.Module, config: dict) -> None:
+    """Put a ``Stored`` where each linear the config names is (on its device: meta, as
+    transformers builds a model before loading it)."""
+    for path, act in stored_schemes(config).items():
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        linear = getattr(parent, name)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"fusepass: the checkpoint stores {path} as a W8A8 linear, but the model has a "
+                             f"{type(linear).__name__} there")
+        setattr(parent, name, Stored(linear.in_features, linear.out_features, act, linear.bias, linear.weight.device))
+
+
+def attach(model: nn.Module) -> None:
+    """Make a prepared transformers model save in this format (module docstring): its config
+    says so, and the quantizer it was loaded with (compressed-tensors', torchao's), which no
+    longer describes its modules, is dropped. Nothing for a model that is not a transformers one."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return
+    config.quantization_config = describe(model)
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and getattr(quantizer.quantization_config, "quant_method", None) != QUANT_METHOD:
+        model.hf_quantizer = None
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Calls ``register`` when transformers' quantizer registry is first imported: fusepass may
+    be imported before transformers, and importing transformers here would cost every ``import
+    fusepass`` seconds."""
+
+    def __init__(self, register):
+        self.register = register
+
+    def find_spec(self, name, path, target=None):
+        if name != _TRANSFORMERS_REGISTRY:
+            return None
+        sys.meta_path.remove(self)  # (the real finders find it; once)
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            try:
+                self.register()
+            except Exception:  # (a transformers this code does not know: say so, load on)
+                log.warning("fusepass: could not register its checkpoint format with transformers", exc_info=True)
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def register_when_imported(register) -> None:
+    """``register()`` (fusepass's format into transformers' registry: ``hf.register``) now if
+    that registry is imported, else when it is."""
+    if _TRANSFORMERS_REGISTRY in sys.modules:
+        register()
+    elif importlib.util.find_spec("transformers") is not None:
+        if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterOnImport(register))
