@@ -366,3 +366,59 @@ def test_a_linear_held_under_two_names_is_converted_once_in_both():
     assert set(report.converted) == {"0", "2"} and model[0] is model[2] and isinstance(model[0], W8A8Linear)
     with torch.no_grad():
         torch.testing.assert_close(model(x), before, rtol=0.05, atol=0.05)
+
+
+def test_the_backend_points_a_torchao_model_to_prepare_before_its_first_step(caplog, monkeypatch):
+    """The one-line path with torchao's weights costs host time on every call (docs/PERFORMANCE.md):
+    the backend's warning, at compile time, names ``prepare``; once per process; not for a
+    prepared model."""
+    import logging
+
+    from fusepass import backend
+
+    monkeypatch.setattr(backend, "_HINTED", False)
+    model = _pair()
+    with caplog.at_level(logging.WARNING, logger="fusepass"):
+        backend._hint_prepare(list(model.parameters()))
+        backend._hint_prepare(list(model.parameters()))
+    hints = [r.getMessage() for r in caplog.records if "tensor-subclass" in r.getMessage()]
+    assert len(hints) == 1 and "takes 2 torchao tensor-subclass weights" in hints[0]
+    assert "fusepass.prepare(model) before torch.compile" in hints[0]
+    monkeypatch.setattr(backend, "_HINTED", False)
+    caplog.clear()
+    fusepass.prepare(model)
+    backend._hint_prepare([*model.parameters(), *model.buffers()])
+    assert not caplog.records
+
+
+def _python_calls_per_step(step, n: int = 10) -> float:
+    import cProfile
+    import pstats
+
+    step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(n):
+        step()
+    profile.disable()
+    return pstats.Stats(profile).total_calls / n
+
+
+def test_a_models_host_work_per_step_does_not_grow_with_the_models_compiled_after_it():
+    """Several models in one process: nothing of fusepass's (caches, counters, patches, the
+    Acts' table, guards) makes a compiled model's step do more once others are compiled after
+    it. Counted in Python calls (deterministic, where times on a shared host are not); a
+    second model costs the first only Dynamo's failed check of its cache entry, in C++."""
+    sizes = models.Sizes(layers=1, hidden_size=128, intermediate_size=256, heads=4, kv_heads=2, vocab_size=512)
+    base = models.random_llama(sizes, 32, torch.device("cpu"), seed=0)
+    torch._dynamo.reset()
+    steps = []
+    with torch.no_grad():
+        for quant in ("int8", "int8-asym"):
+            model = models.quantized_copy(base, quant, "torchao")
+            fusepass.prepare(model)
+            inputs = models.decode_inputs(models.prompt(base, 1, 4, seed=1), models.static_cache(model, 1, 32))
+            steps.append(lambda fn=torch.compile(model, backend="fusepass", dynamic=False), inputs=inputs: fn(**inputs))
+            if len(steps) == 1:
+                alone = _python_calls_per_step(steps[0])
+        assert _python_calls_per_step(steps[0]) == alone
