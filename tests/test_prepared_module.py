@@ -232,6 +232,18 @@ def test_state_dict_holds_each_linears_rows_once_and_loads_into_another_prepared
         other.load_state_dict({k: v for k, v in state.items() if k != f"{attn}k_proj.weight_scale"})
 
 
+def _assert_same_state(model, loaded):
+    """The same keys, dtypes and bits (fp8 compared as bytes)."""
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert list(mine) == list(theirs)
+    for k, a in mine.items():
+        b = theirs[k]
+        assert a.dtype == b.dtype, k
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), k
+
+
 @pytest.mark.parametrize("quant", list(TORCHAO))
 def test_save_pretrained_then_from_pretrained_gives_the_prepared_model_bit_for_bit(bf16_model, quant, tmp_path):
     import json
@@ -245,10 +257,7 @@ def test_save_pretrained_then_from_pretrained_gives_the_prepared_model_bit_for_b
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     attn = loaded.model.layers[0].self_attn
     assert isinstance(attn.q_proj, W8A8Linear) and attn.q_proj.joint is attn.v_proj.joint
-    mine, theirs = model.state_dict(), loaded.state_dict()
-    assert list(mine) == list(theirs)
-    for k in mine:
-        assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), k
+    _assert_same_state(model, loaded)
     ids = models.prompt(bf16_model, 2, 8, seed=1)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
@@ -422,3 +431,25 @@ def test_a_models_host_work_per_step_does_not_grow_with_the_models_compiled_afte
             if len(steps) == 1:
                 alone = _python_calls_per_step(steps[0])
         assert _python_calls_per_step(steps[0]) == alone
+
+
+@pytest.mark.parametrize("scheme", ["FP8_DYNAMIC", "FP8_BLOCK"])
+def test_a_prepared_compressed_tensors_checkpoint_saves_and_loads_bit_for_bit(scheme, tmp_path):
+    """fp8 weights (per row, or with one scale per 128x128 block) from a checkpoint
+    compressed-tensors wrote: prepared, saved in fusepass's format (the checkpoint's quantizer
+    dropped: it no longer describes the modules), loaded back by ``from_pretrained``."""
+    pytest.importorskip("compressed_tensors")
+    import transformers
+
+    from tests import ct_checkpoints as ct
+
+    path, _ = ct.build(tmp_path, scheme)
+    model = ct.load(path)
+    fusepass.prepare(model)
+    assert model.hf_quantizer is None and model.config.quantization_config["quant_method"] == "fusepass"
+    model.save_pretrained(tmp_path / "prepared")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "prepared", dtype=torch.bfloat16)
+    _assert_same_state(model, loaded)
+    ids = models.prompt(model, 2, 8, seed=1)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
