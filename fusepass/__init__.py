@@ -19,7 +19,6 @@ from .ops import int_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise, scaled_m
 from .passes import FusePass, PassConfig
 
 
-
 def _register_format() -> None:
     from .integrations import hf
 

@@ -418,9 +418,12 @@ def test_a_models_host_work_per_step_does_not_grow_with_the_models_compiled_afte
     Acts' table, guards) makes a compiled model's step do more once others are compiled after
     it. Counted in Python calls (deterministic, where times on a shared host are not); a
     second model costs the first only Dynamo's failed check of its cache entry, in C++."""
+    from torch._dynamo.utils import counters
+
     sizes = models.Sizes(layers=1, hidden_size=128, intermediate_size=256, heads=4, kv_heads=2, vocab_size=512)
     base = models.random_llama(sizes, 32, torch.device("cpu"), seed=0)
     torch._dynamo.reset()
+    counters["stats"].clear()
     steps = []
     with torch.no_grad():
         for quant in ("int8", "int8-asym"):
@@ -428,8 +431,10 @@ def test_a_models_host_work_per_step_does_not_grow_with_the_models_compiled_afte
             fusepass.prepare(model)
             inputs = models.decode_inputs(models.prompt(base, 1, 4, seed=1), models.static_cache(model, 1, 32))
             steps.append(lambda fn=torch.compile(model, backend="fusepass", dynamic=False), inputs=inputs: fn(**inputs))
+            steps[-1]()  # (compiled here)
             if len(steps) == 1:
                 alone = _python_calls_per_step(steps[0])
+        assert counters["stats"]["unique_graphs"] == 2
         assert _python_calls_per_step(steps[0]) == alone
 
 
@@ -453,3 +458,34 @@ def test_a_prepared_compressed_tensors_checkpoint_saves_and_loads_bit_for_bit(sc
     ids = models.prompt(model, 2, 8, seed=1)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_a_base_model_prepared_alone_saves_from_its_causal_lm_and_loads_into_either(bf16_model, tmp_path):
+    """``prepare(model.model)`` names the linears from the base model; the causal LM that holds
+    it saves them under its own names, and both loaders find them (transformers' prefix rule)."""
+    import transformers
+
+    model = models.quantized_copy(bf16_model, "int8", "torchao")
+    fusepass.prepare(model.model)
+    model.lm_head = nn.Linear(SIZES.hidden_size, SIZES.vocab_size, bias=False, dtype=torch.bfloat16)  # (a plain head)
+    model.save_pretrained(tmp_path)
+    causal = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    base = transformers.AutoModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ids = models.prompt(bf16_model, 1, 6, seed=2)
+    with torch.no_grad():
+        assert torch.equal(causal(ids).logits, model(ids).logits)
+        assert torch.equal(base(ids).last_hidden_state, model.model(ids).last_hidden_state)
+    assert isinstance(base.layers[0].mlp.up_proj, W8A8Linear)
+
+
+def test_a_model_with_linears_left_keeps_its_source_config_and_says_so(bf16_model, caplog):
+    import logging
+
+    model = models.quantized_copy(bf16_model, "int8", "torchao")
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, out: out)
+    before = model.config.quantization_config if hasattr(model.config, "quantization_config") else None
+    with caplog.at_level(logging.WARNING, logger="fusepass.prepare"):
+        report = fusepass.prepare(model)
+    assert list(report.left) == ["model.layers.0.mlp.down_proj"]
+    assert getattr(model.config, "quantization_config", None) is before
+    assert "save_pretrained of this model writes its source format's config" in caplog.text

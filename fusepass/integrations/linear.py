@@ -28,7 +28,7 @@ from torch import nn
 
 from .._compat import exporting
 from ..kernels.blockwise import BLOCK  # (fp8-block: the group width, and the weight's block side)
-from ..ops.checks import MAX_K_INT8
+from ..ops.checks import MAX_K_INT8, MAX_K_INT8_AZP
 
 # float32's eps: torchao's floor for a per-token scale (an all-zero row quantizes to zeros)
 SCALE_EPS = torch.finfo(torch.float32).eps
@@ -141,8 +141,11 @@ class Joint(nn.Module):
         kept = {id(t) for t in (self.weight, self.weight_scale, self.colsum) if t is not None}
 
         def keep_dtype(t):
-            out = fn(t)
-            return t.to(out.device) if id(t) in kept and out.dtype != t.dtype else out
+            if id(t) in kept:  # (what fn makes of an empty tensor of t's: a cast not to make of t)
+                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+                if probe.dtype != t.dtype:
+                    return t.to(probe.device)
+            return fn(t)
         return super()._apply(keep_dtype, recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -178,19 +181,19 @@ class W8A8Linear(nn.Module):
     @property
     def weight(self) -> torch.Tensor:
         """The quantized weight, (out_features, in_features): the joint's rows."""
-        return self._rows(self.joint.weight)
+        return self._own_rows(self.joint.weight)
 
     @property
     def weight_scale(self) -> torch.Tensor:
         """Per output row (out_features,) fp32, or per 128x128 block (``fp8-block``)."""
-        return _rows(self.joint.weight_scale, self.lo, self.hi, self.act.kind)
+        return _scale_rows(self.joint.weight_scale, self.lo, self.hi, self.act.kind)
 
     @property
     def bias(self) -> torch.Tensor | None:
         """The joint bias's rows (a lone linear's: its own Parameter), or None."""
-        return None if self.joint.bias is None else self._rows(self.joint.bias)
+        return None if self.joint.bias is None else self._own_rows(self.joint.bias)
 
-    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+    def _own_rows(self, t: torch.Tensor) -> torch.Tensor:
         return t if (self.lo, self.hi) == (0, t.shape[0]) else t[self.lo:self.hi]
 
     def __getstate__(self):  # pickled with the Act itself: another process has other ACTS
@@ -238,9 +241,8 @@ class W8A8Linear(nn.Module):
                 error_msgs.append(f"size or dtype mismatch for {key}: copying {tuple(value.shape)} {value.dtype} "
                                   f"into {tuple(mine.shape)} {mine.dtype} (a fusepass.W8A8Linear's rows)")
                 continue
-            whole = "bias" if name == "bias" else name
-            if getattr(j, whole).is_meta:  # (built on the meta device: made where the values are)
-                made = torch.empty_like(getattr(j, whole), device=value.device)
+            if getattr(j, name).is_meta:  # (built on the meta device: made where the values are)
+                made = torch.empty_like(getattr(j, name), device=value.device)
                 if name == "bias":
                     j.bias = nn.Parameter(made, requires_grad=j.bias.requires_grad)
                 else:
@@ -262,7 +264,7 @@ class W8A8Linear(nn.Module):
                 f"rows=[{self.lo}, {self.hi}) of {self.joint.weight.shape[0]}")
 
 
-def _rows(weight_scale: torch.Tensor, lo: int, hi: int, kind: str) -> torch.Tensor:
+def _scale_rows(weight_scale: torch.Tensor, lo: int, hi: int, kind: str) -> torch.Tensor:
     """Rows [lo, hi)'s scales: per row, or (``fp8-block``) the blocks' rows."""
     return weight_scale[lo // BLOCK:hi // BLOCK] if kind == "fp8-block" else weight_scale[lo:hi]
 
@@ -283,9 +285,9 @@ def _forward(x, weight, weight_scale, colsum, bias, lo, hi, index):
     q, scale, zp, w = _operands(x, weight, lo, hi, act)
     bias = None if bias is None else bias[lo:hi]
     if act.kind == "fp8-block":
-        y = torch.ops.fusepass.scaled_mm_blockwise(q, w, scale, _rows(weight_scale, lo, hi, act.kind).t(), x.dtype, bias)
-    elif q.dtype == torch.int8 and q.shape[1] > MAX_K_INT8:
-        y = _split_k(q, w, scale, weight_scale[lo:hi], x.dtype, bias, None if zp is None else (colsum[lo:hi], zp))
+        y = torch.ops.fusepass.scaled_mm_blockwise(q, w, scale, _scale_rows(weight_scale, lo, hi, act.kind).t(), x.dtype, bias)
+    elif q.dtype == torch.int8 and q.shape[1] > (MAX_K_INT8 if zp is None else MAX_K_INT8_AZP):
+        y = _split_k(q, w, scale, weight_scale[lo:hi], x.dtype, bias, zp)
     elif zp is None:
         y = torch.ops.fusepass.scaled_mm(q, w, scale, weight_scale[lo:hi], x.dtype, bias)
     else:
@@ -293,18 +295,16 @@ def _forward(x, weight, weight_scale, colsum, bias, lo, hi, index):
     return y.reshape(*x.shape[:-1], hi - lo)
 
 
-def _split_k(q, w, scale, weight_scale, out_dtype, bias, zero_point):
-    """The product over a K too long for one exact int32 sum (``MAX_K_INT8``), as torchao computes
-    it: each run of K exact, the runs' scaled fp32 results added, the zero-point term (the
-    whole weight's row sums) taken with the first; then the bias, one rounding."""
+def _split_k(q, w, scale, weight_scale, out_dtype, bias, zp):
+    """The product over a K too long for one exact int32 sum (``MAX_K_INT8``, with a zero point
+    ``MAX_K_INT8_AZP``): each run of K exact (its zero-point term from its own rows of the
+    weight), the runs' scaled fp32 results added; then the bias, one rounding."""
+    run = MAX_K_INT8 if zp is None else MAX_K_INT8_AZP
     y = None
-    for k in range(0, q.shape[1], MAX_K_INT8):
-        part = (q[:, k:k + MAX_K_INT8], w[k:k + MAX_K_INT8], scale, weight_scale, torch.float32)
-        if zero_point is not None and k == 0:
-            colsum, zp = zero_point
-            p = torch.ops.fusepass.scaled_mm_azp(*part, colsum, zp)
-        else:
-            p = torch.ops.fusepass.scaled_mm(*part)
+    for k in range(0, q.shape[1], run):
+        part = (q[:, k:k + run], w[k:k + run], scale, weight_scale, torch.float32)
+        p = (torch.ops.fusepass.scaled_mm(*part) if zp is None else
+             torch.ops.fusepass.scaled_mm_azp(*part, part[1].sum(0, dtype=torch.int32), zp))
         y = p if y is None else y + p
     return (y if bias is None else y + bias.float()).to(out_dtype)
 
@@ -330,7 +330,7 @@ class _WithGradient(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w, dtype = weight[lo:hi], ctx.x_dtype
             if kind == "fp8-block":
-                spread = _rows(weight_scale, lo, hi, kind).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+                spread = _scale_rows(weight_scale, lo, hi, kind).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
                 grad_x = g.to(dtype) @ (w.float() * spread[:, :w.shape[1]]).to(dtype)
             else:
                 grad_x = (g.float() * weight_scale[lo:hi]).to(dtype) @ w.to(dtype)

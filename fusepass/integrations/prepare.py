@@ -203,6 +203,9 @@ def _stored(module) -> _Quantized | None:
     """A linear of a fusepass checkpoint as ``from_pretrained`` loaded it (``saved.py``)."""
     if not isinstance(module, saved.Stored):
         return None
+    if module.weight.dtype != module.stored_dtype or module.weight_scale.dtype != torch.float32:
+        return (f"a fusepass checkpoint's {module.act.kind} linear loaded as {module.weight.dtype} weights and "
+                f"{module.weight_scale.dtype} scales (something replaced its tensors after loading)")
     return _Quantized(module.weight.detach(), module.weight_scale.detach(), module.act)
 
 
@@ -218,12 +221,13 @@ def _recognize(linear: nn.Linear) -> _Quantized | str | None:
     return None
 
 
-def _changed_behaviour(linear: nn.Linear) -> str | None:
-    """Why replacing ``linear`` would change what the model does, or None: a subclass (its own
-    methods and attributes), hooks (they would not run on the new module), or a forward replaced
-    on the instance by something other than the format prepare takes apart (compressed-tensors')."""
+def _changed_behaviour(linear: nn.Module) -> str | None:
+    """Why replacing ``linear`` would change what the model does, or None: a subclass of
+    nn.Linear (its own methods and attributes), hooks (they would not run on the new module), or
+    a forward replaced on the instance by something other than the format prepare takes apart
+    (compressed-tensors')."""
     cls = type(linear)
-    if cls is not nn.Linear:
+    if isinstance(linear, nn.Linear) and cls is not nn.Linear:
         own = " and its own forward" if cls.forward is not nn.Linear.forward else ""
         return (f"a {cls.__module__}.{cls.__qualname__} (a subclass of nn.Linear{own}): its behaviour would be "
                 "lost; prepare converts nn.Linear itself")
@@ -273,7 +277,8 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
             found = _recognize(m)
             found_in[m] = (_changed_behaviour(m) or found) if isinstance(found, _Quantized) else found
         elif isinstance(m, saved.Stored):
-            found_in[m] = _stored(m)
+            found = _stored(m)
+            found_in[m] = (_changed_behaviour(m) or found) if isinstance(found, _Quantized) else found
     compressed = [m for m in found_in if _ct_scheme(m) is not None]
     if compressed:
         _undo_compressed_tensors(model, [m for m in compressed if isinstance(found_in[m], str)])
@@ -290,18 +295,17 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
     for parent_path, parent in list(model.named_modules()):
         # the children to convert, grouped by what one shared buffer needs in common
         groups: dict[tuple, list] = defaultdict(list)
-        for name, child in list(parent._modules.items()):
+        queued, names = set(), list(parent._modules.items())
+        for name, child in names:
             if child not in found_in:
                 continue
-            path = f"{parent_path}.{name}" if parent_path else name
             found = found_in[child]
-            if child in converted:  # (held here too)
-                setattr(parent, name, converted[child])
-                report.converted[path] = converted[child].act.kind
-            elif isinstance(found, str):
+            if isinstance(found, str):
+                path = f"{parent_path}.{name}" if parent_path else name
                 report.left[path] = found
                 log.debug("fusepass.prepare: left %s as it is: %s", path, found)
-            elif found is not None and not any(child is m[1] for members in groups.values() for m in members):
+            elif found is not None and child not in converted and child not in queued:
+                queued.add(child)
                 bias = child.bias
                 alone = not join or held[child] > 1
                 key = (found.act, found.weight.shape[1], found.weight.device,
@@ -310,20 +314,18 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
         for members in groups.values():
             joint = _joint(members)
             lo = 0
-            for name, child, q in members:
+            for _, child, q in members:
                 hi = lo + q.weight.shape[0]
                 converted[child] = W8A8Linear(joint, lo, hi, q.act)
-                setattr(parent, name, converted[child])
-                report.converted[f"{parent_path}.{name}" if parent_path else name] = q.act.kind
                 lo = hi
             if len(members) > 1:
                 report.joined.append([f"{parent_path}.{m[0]}" if parent_path else m[0] for m in members])
-        for name, child in list(parent._modules.items()):  # (a linear held here twice: its other names)
+        for name, child in names:  # (every name the converted linears are held under here)
             if child in converted:
                 setattr(parent, name, converted[child])
                 report.converted[f"{parent_path}.{name}" if parent_path else name] = converted[child].act.kind
     if report.converted:
-        saved.attach(model)
+        saved.attach(model, report.left)
     if report.left:
         reasons = sorted(set(report.left.values()))
         log.warning("fusepass.prepare: left %d quantized linear%s as %s: %s", len(report.left),

@@ -7,12 +7,13 @@ int8 / fp8 (N, K), ``weight_scale`` fp32 (N,) or one per 128x128 block, ``bias``
 the paths of the linears that use it. Nothing is re-quantized or rounded: the values and scales
 load bit for bit, and ``prepare`` joins the siblings again.
 
-``prepare`` writes that config into a transformers model's ``config``, so ``save_pretrained``
-writes the format. ``from_pretrained`` reads it once
+``prepare`` writes that config into a transformers model's ``config`` where it converted every
+quantized linear, so ``save_pretrained`` writes the format. ``from_pretrained`` reads it once
 fusepass is imported (before or after transformers: ``register_when_imported``): the quantizer
 (``hf.py``) puts a ``Stored`` module where each linear was, transformers loads the tensors into
-them, and ``prepare`` converts them. Without fusepass, transformers refuses the checkpoint
-("Unknown quantization type, got fusepass"), rather than loading int8 values as bf16 weights.
+them, and ``prepare`` converts them. Without fusepass, transformers skips the config it does not
+know with a warning ("Unknown quantization type, got fusepass ... we will skip the
+quantization") and loads the int8 values into float weights: import fusepass first.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Stored(nn.Module):
     def __init__(self, in_features: int, out_features: int, act: Act, bias: torch.Tensor | None, device=None):
         super().__init__()
         self.in_features, self.out_features, self.act = in_features, out_features, act
-        dtype = torch.float8_e4m3fn if act.kind.startswith("fp8") else torch.int8
+        self.stored_dtype = dtype = torch.float8_e4m3fn if act.kind.startswith("fp8") else torch.int8
         scale = (out_features // BLOCK, in_features // BLOCK) if act.kind == "fp8-block" else (out_features,)
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
@@ -77,23 +78,45 @@ def stored_schemes(config: dict) -> dict[str, Act]:
 
 def replace_for_loading(model: nn.Module, config: dict) -> None:
     """Put a ``Stored`` where each linear the config names is (on its device: meta, as
-    transformers builds a model before loading it)."""
+    transformers builds a model before loading it). A path may be relative to the model or to
+    its base model (``base_model_prefix``: a checkpoint saved from a causal LM loads into the
+    bare model, and one whose base model was prepared into the causal LM), as transformers
+    takes the tensors' names."""
+    prefix = getattr(model, "base_model_prefix", "")
     for path, act in stored_schemes(config).items():
-        parent_path, _, name = path.rpartition(".")
-        parent = model.get_submodule(parent_path)
-        linear = getattr(parent, name)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"fusepass: the checkpoint stores {path} as a W8A8 linear, but the model has a "
-                             f"{type(linear).__name__} there")
-        setattr(parent, name, Stored(linear.in_features, linear.out_features, act, linear.bias, linear.weight.device))
+        places = [path, f"{prefix}.{path}", path.removeprefix(f"{prefix}.")] if prefix else [path]
+        found = next(((p, m) for p in places for m in [_module_at(model, p)] if m is not None), None)
+        if found is None or not isinstance(found[1], nn.Linear):
+            what = "nothing" if found is None else f"a {type(found[1]).__name__}"
+            raise ValueError(f"fusepass: the checkpoint stores {path} as a W8A8 linear, but the model has {what} "
+                             "there")
+        parent_path, _, name = found[0].rpartition(".")
+        linear = found[1]
+        setattr(model.get_submodule(parent_path), name,
+                Stored(linear.in_features, linear.out_features, act, linear.bias, linear.weight.device))
 
 
-def attach(model: nn.Module) -> None:
+def _module_at(model: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def attach(model: nn.Module, left: dict[str, str]) -> None:
     """Make a prepared transformers model save in this format (module docstring): its config
     says so, and the quantizer it was loaded with (compressed-tensors', torchao's), which no
-    longer describes its modules, is dropped. Nothing for a model that is not a transformers one."""
+    longer describes its modules, is dropped. Not where ``prepare`` left quantized linears
+    (``left``): the format cannot hold them, and the model keeps its source format's config
+    (save it before ``prepare``). Nothing for a model that is not a transformers one."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_dict"):
+        return
+    if left:
+        log.warning("fusepass.prepare: save_pretrained of this model writes its source format's config, which "
+                    "does not describe fusepass's modules: %d quantized linear%s left as %s (a fusepass checkpoint "
+                    "holds only what prepare converts)", len(left), "s" * (len(left) != 1),
+                    "they are" if len(left) != 1 else "it is")
         return
     config.quantization_config = describe(model)
     quantizer = getattr(model, "hf_quantizer", None)
@@ -120,10 +143,7 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            try:
-                self.register()
-            except Exception:  # (a transformers this code does not know: say so, load on)
-                log.warning("fusepass: could not register its checkpoint format with transformers", exc_info=True)
+            _register(self.register)
         spec.loader.exec_module = exec_module
         return spec
 
@@ -132,7 +152,14 @@ def register_when_imported(register) -> None:
     """``register()`` (fusepass's format into transformers' registry: ``hf.register``) now if
     that registry is imported, else when it is."""
     if _TRANSFORMERS_REGISTRY in sys.modules:
-        register()
+        _register(register)
     elif importlib.util.find_spec("transformers") is not None:
         if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _RegisterOnImport(register))
+
+
+def _register(register) -> None:
+    try:
+        register()
+    except Exception:  # (a transformers this code does not know: say so, load on)
+        log.warning("fusepass: could not register its checkpoint format with transformers", exc_info=True)

@@ -44,6 +44,13 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
     return pid_m, pid_n
 
 
+# The integer zero-point terms int8 quantization gives at K <= 65535 (``ops/checks.py``'s
+# MAX_K_INT8_AZP): a zero point |z| <= 128, a column sum of an int8 weight |colsum| <= 128 K
+# < 2**23, a per-tensor term |z colsum| < 2**30. With them |acc - azp * azp_adj| < 2**31.
+ZERO_POINT_MAX, COLSUM_MAX, PER_TENSOR_ADJ_MAX = 128, 2**23 - 1, 2**30 - 1
+_ZP_MAX, _COLSUM_MAX, _ADJ_MAX = (tl.constexpr(v) for v in (ZERO_POINT_MAX, COLSUM_MAX, PER_TENSOR_ADJ_MAX))
+
+
 @triton.jit
 def _epilogue(
     acc,  # (BLOCK_M, BLOCK_N) int32 or fp32
@@ -56,26 +63,34 @@ def _epilogue(
     if RAW_ACC:  # no scales: fusepass.int_mm's accumulator
         x = acc
     else:
-        # Zero point first, exact in int64 where azp / azp_adj are integers (an int32 product or
-        # difference can pass int32's range); an fp32 operand promotes it to fp32.
+        # Zero point first. Integer terms in the accumulator's int32, exact within the bounds
+        # int8 quantization keeps them in (ZERO_POINT_MAX ...: the sum then stays below 2**31);
+        # an output whose terms are beyond them is NaN, never a wrapped-around value. fp32
+        # terms promote the sum to fp32.
+        refused = None
         if AZP == 1:  # per-tensor: azp_adj already holds z_a * colsum(b)
             adj = tl.load(azp_adj_ptr + offs_n)
             if adj.dtype.is_floating():
                 acc = acc - adj[None, :]
             else:
-                acc = acc.to(tl.int64) - adj.to(tl.int64)[None, :]
+                refused = ((adj > _ADJ_MAX) | (adj < -_ADJ_MAX))[None, :]
+                acc = acc - adj.to(tl.int32)[None, :]
         elif AZP == 2:  # per-token: azp[m] * colsum(b)[n]
             adj = tl.load(azp_adj_ptr + offs_n)
             azp = tl.load(azp_ptr + offs_m)
             if adj.dtype.is_floating() or azp.dtype.is_floating():
                 acc = acc - azp[:, None] * adj[None, :]
             else:
-                acc = acc.to(tl.int64) - azp.to(tl.int64)[:, None] * adj.to(tl.int64)[None, :]
+                refused = (((azp > _ZP_MAX) | (azp < -_ZP_MAX))[:, None]
+                           | ((adj > _COLSUM_MAX) | (adj < -_COLSUM_MAX))[None, :])
+                acc = acc - azp.to(tl.int32)[:, None] * adj.to(tl.int32)[None, :]
         if SCALE_A_PER_TOKEN:
             sa = tl.load(scale_a_ptr + offs_m).to(tl.float32)[:, None]
         else:
             sa = tl.load(scale_a_ptr).to(tl.float32)
         x = _scaled(acc.to(tl.float32), sa, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL)
+        if refused is not None:
+            x = tl.where(refused, float("nan"), x)
     return _bias(x, offs_n, bias_ptr, HAS_BIAS)
 
 

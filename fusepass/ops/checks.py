@@ -23,9 +23,12 @@ AZP_DTYPES = (torch.int32, torch.int64, torch.float32)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # int8 products are at most 128 * 128 = 2**14 in magnitude, so an int32 sum of K of them
-# is exact for K <= (2**31 - 1) // 2**14. A zero-point correction is applied in int64 (exact
-# for any int32 terms), so the same K holds with one.
+# is exact for K <= (2**31 - 1) // 2**14.
 MAX_K_INT8 = (2**31 - 1) // (128 * 128)
+# With a zero point the corrected sum acc - azp * azp_adj is taken in int32: |acc| < 2**30 at
+# K <= 65535, and integer terms within what int8 quantization gives there (the kernels'
+# zero-point bounds) keep it below 2**31, exact; terms beyond them give NaN outputs.
+MAX_K_INT8_AZP = (2**30 - 1) // (128 * 128)
 
 # The kernels use Ampere's int8 tensor cores (and bf16); fp8 e4m3 needs Ada (sm_89) or Hopper.
 MIN_CAPABILITY = (8, 0)
@@ -194,7 +197,7 @@ def check_scaled_mm_args(
             tensors["azp"] = azp
     _check_devices(op, tensors)
     if a.dtype == torch.int8:
-        _check_k(op, K, MAX_K_INT8)
+        _check_k(op, K, MAX_K_INT8_AZP if with_azp else MAX_K_INT8)
     check_gpu(op, a.device, a.dtype)
 
 

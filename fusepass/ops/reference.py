@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.scaled_mm import COLSUM_MAX, PER_TENSOR_ADJ_MAX, ZERO_POINT_MAX
 from .checks import BLOCK
 
 
@@ -29,8 +30,8 @@ def zero_point_correction(
 ) -> torch.Tensor:
     """``acc - azp_adj`` (per-tensor) or ``acc - azp[:, None] * azp_adj`` (per-token).
 
-    Integer operands keep it integer and exact, in int64 (int32 terms can pass int32's range:
-    ``azp = 2**20`` times a column sum of 4096); a float32 operand makes it fp32 (the kernel's
+    Integer operands keep it integer and exact (int64 here; the kernel's int32 gives the same
+    within ``refused_zero_points``' bounds); a float32 operand makes it fp32 (the kernel's
     promotion rule).
     """
     adj = azp_adj.reshape(1, -1)
@@ -40,6 +41,19 @@ def zero_point_correction(
     if adj.dtype.is_floating_point:
         return acc.to(torch.float32) - adj
     return acc.long() - adj.long()
+
+
+def refused_zero_points(azp_adj: torch.Tensor, azp: torch.Tensor | None) -> torch.Tensor | None:
+    """Where integer zero-point terms pass the bounds int8 quantization keeps them in
+    (``kernels/scaled_mm.py``: with them the kernel's int32 sum is exact): a boolean mask
+    broadcasting to the output, whose outputs are NaN; None for float terms."""
+    if azp_adj.dtype.is_floating_point or (azp is not None and azp.dtype.is_floating_point):
+        return None
+    def beyond(t, bound):  # (not abs(): int32's lowest value is its own absolute value)
+        return (t > bound) | (t < -bound)
+    if azp is None:
+        return beyond(azp_adj.reshape(1, -1), PER_TENSOR_ADJ_MAX)
+    return beyond(azp.reshape(-1, 1), ZERO_POINT_MAX) | beyond(azp_adj.reshape(1, -1), COLSUM_MAX)
 
 
 def epilogue(
@@ -71,6 +85,9 @@ def scaled_mm(a, b, scale_a, scale_b, out_dtype, bias=None):
 
 def scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp=None, bias=None):
     acc = zero_point_correction(accumulate(a, b), azp_adj, azp)
+    refused = refused_zero_points(azp_adj, azp)
+    if refused is not None:
+        acc = acc.to(torch.float32).masked_fill(refused, float("nan"))
     return epilogue(acc, scale_a, scale_b, out_dtype, bias)
 
 

@@ -11,6 +11,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..ops.checks import (
     AZP_DTYPES,
     MAX_K_INT8,
+    MAX_K_INT8_AZP,
     OUT_DTYPES,
     SCALE_DTYPES,
     gpu_too_old,
@@ -66,7 +67,7 @@ class Candidate:
         return ins.call(fusepass.scaled_mm_azp.default, a, b, sa, sb, out_dtype, _zero_point(ins, azp_adj), azp, bias)
 
 
-def check_operands(a: fx.Node, b: fx.Node, dtypes) -> None:
+def check_operands(a: fx.Node, b: fx.Node, dtypes, *, azp: bool = False) -> None:
     """The quantized operands the ops take: same dtype, same supported device, exact K."""
     va, vb = tensor_val(a), tensor_val(b)
     if va.dtype not in dtypes or vb.dtype != va.dtype:
@@ -74,9 +75,10 @@ def check_operands(a: fx.Node, b: fx.Node, dtypes) -> None:
     if va.device != vb.device or va.device.type not in ("cpu", "cuda"):
         raise Rejected(f"operands on {va.device} and {vb.device}; fused ops run on one cpu or cuda device")
     if va.dtype == torch.int8:
+        max_k = MAX_K_INT8_AZP if azp else MAX_K_INT8
         # A symbolic K passes here; the op checks the real K at run time.
-        if statically_known_true(va.shape[-1] > MAX_K_INT8):
-            raise Rejected(f"K = {va.shape[-1]} exceeds {MAX_K_INT8}, the largest exact for int32 accumulation")
+        if statically_known_true(va.shape[-1] > max_k):
+            raise Rejected(f"K = {va.shape[-1]} exceeds {max_k}, the largest exact for int32 accumulation")
     old = gpu_too_old(va.device, va.dtype)
     if old is not None:
         raise Rejected(f"{va.device} is older than sm_{old[0][0]}{old[0][1]}, which {va.dtype} needs")

@@ -66,23 +66,25 @@ def test_kernel_int32_path_is_exact():
     assert torch.equal(out.double(), exact)
 
 
-@pytest.mark.parametrize("azp", ["tensor", "token"])
-def test_kernel_zero_point_terms_past_int32_are_exact(azp):
-    from tests.ops.test_scaled_mm import ZERO_POINTS_PAST_INT32
+@pytest.mark.parametrize("M", [1, 2])  # (the M = 1 kernel's epilogue, and the tiled one's)
+@pytest.mark.parametrize("case", ["tensor, past", "token, past", "token, colsum past", "int64, past",
+                                  "tensor, within", "token, within", "int64, within"])
+def test_kernel_integer_zero_point_terms_exact_within_bounds_refused_past_them(case, M):
+    from tests.ops.test_scaled_mm import ZERO_POINTS
 
-    azp_adj, zp, value = ZERO_POINTS_PAST_INT32[azp]
-    sign = -1 if azp == "tensor" else 1
-    a = torch.ones(2, 4, dtype=torch.int8, device=DEVICE)
-    b = torch.full((4, 3), sign, dtype=torch.int8, device=DEVICE)
+    azp_adj, zp, value = ZERO_POINTS[case]
+    a = torch.zeros(M, 64, dtype=torch.int8, device=DEVICE)
+    b = torch.ones(3, 64, dtype=torch.int8, device=DEVICE).t()  # (as a weight is stored: the M = 1 kernel's)
+    zp = None if zp is None else zp[:1].expand(M).contiguous().to(DEVICE)
     out = launch_scaled_mm(a, b, torch.ones(1, device=DEVICE), torch.ones(1, device=DEVICE), torch.float32, None,
-                           azp_adj.to(DEVICE), None if zp is None else zp.to(DEVICE))
-    assert torch.equal(out.cpu(), torch.full((2, 3), float(value)))
+                           azp_adj.to(DEVICE), zp).cpu()
+    torch.testing.assert_close(out, torch.full((M, 3), value), rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("M", [1, 2])  # (the M = 1 kernel's epilogue, and the tiled one's)
 def test_kernel_multiplies_the_scales_together_first(M):
     a = torch.full((M, 64), 100, dtype=torch.int8, device=DEVICE)
-    b = torch.full((64, 3), -100, dtype=torch.int8, device=DEVICE)
+    b = torch.full((3, 64), -100, dtype=torch.int8, device=DEVICE).t()
     out = launch_scaled_mm(a, b, torch.full((M, 1), 1e36, device=DEVICE), torch.full((3,), 1e-20, device=DEVICE),
                            torch.float32)
     torch.testing.assert_close(out.cpu(), torch.full((M, 3), -6.4e21), rtol=1e-6, atol=0)

@@ -113,8 +113,9 @@ def test_k_too_large_for_int32():
     a = torch.zeros(1, checks.MAX_K_INT8 + 1, dtype=torch.int8)
     with pytest.raises(ValueError, match=r"K = 131072 is too large for exact int32 accumulation .*at most 131071"):
         fusepass.scaled_mm(a, a.t(), f32(1), f32(1), F32)
-    adj = torch.zeros(1, dtype=torch.int32)  # (with a zero point too: its correction is int64)
-    with pytest.raises(ValueError, match=r"K = 131072 is too large .*at most 131071"):
+    a = torch.zeros(1, checks.MAX_K_INT8_AZP + 1, dtype=torch.int8)
+    adj = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"K = 65536 is too large .*at most 65535"):
         fusepass.scaled_mm_azp(a, a.t(), f32(1), f32(1), F32, adj)
 
 

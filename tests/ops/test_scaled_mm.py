@@ -69,21 +69,27 @@ def test_int32_zero_point_correction_is_exact():
     assert torch.equal(corrected, exact)
 
 
-# Integer zero-point terms whose product or difference passes int32's range (they wrapped
-# around: 4 - 2**20 * 4096 gave 4): every value here is an integer fp32 holds exactly.
-ZERO_POINTS_PAST_INT32 = {
-    "tensor": (torch.full((3,), 2**31 - 1, dtype=torch.int32), None, -(2**31 - 1) - 4),
-    "token": (torch.full((3,), 4096, dtype=torch.int32), torch.full((2,), 2**20, dtype=torch.int32), 4 - 2**32),
+# Integer zero-point terms (azp_adj, azp) past what int8 quantization gives, whose sum with
+# the accumulator wrapped around int32 (4 - 2**20 * 4096 gave 4): refused, their outputs NaN;
+# and the largest ones within the bounds, exact (acc = 0, results fp32 holds exactly).
+ZERO_POINTS = {
+    "tensor, past": (torch.full((3,), 2**31 - 1, dtype=torch.int32), None, float("nan")),
+    "token, past": (torch.full((3,), 4096, dtype=torch.int32), torch.full((2,), 2**20, dtype=torch.int32), float("nan")),
+    "token, colsum past": (torch.full((3,), 2**23, dtype=torch.int32), torch.ones(2, dtype=torch.int32), float("nan")),
+    "int64, past": (torch.full((3,), 2**40, dtype=torch.int64), None, float("nan")),
+    "tensor, within": (torch.full((3,), 2**30 - 128, dtype=torch.int32), None, -(2**30 - 128.0)),
+    "token, within": (torch.full((3,), 2**23 - 1, dtype=torch.int32), torch.full((2,), -128, dtype=torch.int32),
+                      2**30 - 128.0),
+    "int64, within": (torch.full((3,), 2**30 - 128, dtype=torch.int64), None, -(2**30 - 128.0)),
 }
 
 
-@pytest.mark.parametrize("azp", list(ZERO_POINTS_PAST_INT32))
-def test_zero_point_terms_past_int32_are_exact(azp):
-    azp_adj, zp, value = ZERO_POINTS_PAST_INT32[azp]
-    sign = -1 if azp == "tensor" else 1  # (acc = -4, or +4)
-    a, b = torch.ones(2, 4, dtype=torch.int8), torch.full((4, 3), sign, dtype=torch.int8)
+@pytest.mark.parametrize("case", list(ZERO_POINTS))
+def test_integer_zero_point_terms_are_exact_within_int8s_bounds_and_refused_past_them(case):
+    azp_adj, zp, value = ZERO_POINTS[case]
+    a, b = torch.zeros(2, 4, dtype=torch.int8), torch.ones(4, 3, dtype=torch.int8)
     out = fusepass.scaled_mm_azp(a, b, torch.ones(1), torch.ones(1), torch.float32, azp_adj, zp)
-    assert torch.equal(out, torch.full((2, 3), float(value)))
+    torch.testing.assert_close(out, torch.full((2, 3), value), rtol=0, atol=0, equal_nan=True)
 
 
 def test_scales_are_multiplied_together_first():

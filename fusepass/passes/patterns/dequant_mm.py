@@ -148,7 +148,7 @@ def match(node, config) -> Candidate | None:
         side = "activation" if act is None else "weight"
         raise Rejected(f"the {side} operand is not an int8/fp8 tensor dequantized by a multiply")
     (qa, sa, a_axis, a_view, zp), (qw, sw, w_axis, transposed) = act, wt
-    check_operands(qa, qw, _QUANT)
+    check_operands(qa, qw, _QUANT, azp=zp is not None)
     ep = Epilogue()
     ep.add_factor(sa, a_axis)
     ep.add_factor(sw, w_axis)

@@ -76,7 +76,7 @@ def match(node, config) -> Candidate | None:
         a = shifted
     if not ep.scaled:
         raise Rejected(ep.stop or "no scale multiply follows the int32 accumulator")
-    check_operands(a, b, (torch.int8,))
+    check_operands(a, b, (torch.int8,), azp=ep.azp_adj is not None)
     if ep.azp_adj is None:
         name = "int_mm_scaled"
     else:
