@@ -63,27 +63,23 @@ def _epilogue(
     if RAW_ACC:  # no scales: fusepass.int_mm's accumulator
         x = acc
     else:
-        # Zero point first. Integer terms in the accumulator's int32, exact within the bounds
-        # int8 quantization keeps them in (ZERO_POINT_MAX ...: the sum then stays below 2**31);
-        # an output whose terms are beyond them is NaN, never a wrapped-around value. fp32
-        # terms promote the sum to fp32.
+        # Zero point first. int32 terms in the accumulator's int32, exact within the bounds int8
+        # quantization keeps them in (ZERO_POINT_MAX ...: the sum then stays below 2**31); an
+        # output whose terms are beyond them is NaN, never a wrapped-around value. An int64 term
+        # makes the sum int64 (exact at any range, a wider tile); an fp32 one makes it fp32.
         refused = None
         if AZP == 1:  # per-tensor: azp_adj already holds z_a * colsum(b)
             adj = tl.load(azp_adj_ptr + offs_n)
-            if adj.dtype.is_floating():
-                acc = acc - adj[None, :]
-            else:
+            if adj.dtype == tl.int32:
                 refused = ((adj > _ADJ_MAX) | (adj < -_ADJ_MAX))[None, :]
-                acc = acc - adj.to(tl.int32)[None, :]
+            acc = acc - adj[None, :]
         elif AZP == 2:  # per-token: azp[m] * colsum(b)[n]
             adj = tl.load(azp_adj_ptr + offs_n)
             azp = tl.load(azp_ptr + offs_m)
-            if adj.dtype.is_floating() or azp.dtype.is_floating():
-                acc = acc - azp[:, None] * adj[None, :]
-            else:
+            if adj.dtype == tl.int32 and azp.dtype == tl.int32:
                 refused = (((azp > _ZP_MAX) | (azp < -_ZP_MAX))[:, None]
                            | ((adj > _COLSUM_MAX) | (adj < -_COLSUM_MAX))[None, :])
-                acc = acc - azp.to(tl.int32)[:, None] * adj.to(tl.int32)[None, :]
+            acc = acc - azp[:, None] * adj[None, :]
         if SCALE_A_PER_TOKEN:
             sa = tl.load(scale_a_ptr + offs_m).to(tl.float32)[:, None]
         else:

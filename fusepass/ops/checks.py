@@ -26,8 +26,9 @@ SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # is exact for K <= (2**31 - 1) // 2**14.
 MAX_K_INT8 = (2**31 - 1) // (128 * 128)
 # With a zero point the corrected sum acc - azp * azp_adj is taken in int32: |acc| < 2**30 at
-# K <= 65535, and integer terms within what int8 quantization gives there (the kernels'
-# zero-point bounds) keep it below 2**31, exact; terms beyond them give NaN outputs.
+# K <= 65535, and int32 terms within what int8 quantization gives there (the kernels'
+# zero-point bounds) keep it below 2**31, exact; terms beyond them give NaN outputs (int64
+# terms: an int64 sum, exact).
 MAX_K_INT8_AZP = (2**30 - 1) // (128 * 128)
 
 # The kernels use Ampere's int8 tensor cores (and bf16); fp8 e4m3 needs Ada (sm_89) or Hopper.

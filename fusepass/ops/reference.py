@@ -31,8 +31,8 @@ def zero_point_correction(
     """``acc - azp_adj`` (per-tensor) or ``acc - azp[:, None] * azp_adj`` (per-token).
 
     Integer operands keep it integer and exact (int64 here; the kernel's int32 gives the same
-    within ``refused_zero_points``' bounds); a float32 operand makes it fp32 (the kernel's
-    promotion rule).
+    within ``refused_zero_points``' bounds, its int64 the same always); a float32 operand makes
+    it fp32 (the kernel's promotion rule).
     """
     adj = azp_adj.reshape(1, -1)
     if azp is not None:
@@ -44,10 +44,11 @@ def zero_point_correction(
 
 
 def refused_zero_points(azp_adj: torch.Tensor, azp: torch.Tensor | None) -> torch.Tensor | None:
-    """Where integer zero-point terms pass the bounds int8 quantization keeps them in
+    """Where int32 zero-point terms pass the bounds int8 quantization keeps them in
     (``kernels/scaled_mm.py``: with them the kernel's int32 sum is exact): a boolean mask
-    broadcasting to the output, whose outputs are NaN; None for float terms."""
-    if azp_adj.dtype.is_floating_point or (azp is not None and azp.dtype.is_floating_point):
+    broadcasting to the output, whose outputs are NaN; None where a term is fp32 or int64 (the
+    kernel's sum is then fp32, or int64 and exact)."""
+    if azp_adj.dtype != torch.int32 or (azp is not None and azp.dtype != torch.int32):
         return None
     def beyond(t, bound):  # (not abs(): int32's lowest value is its own absolute value)
         return (t > bound) | (t < -bound)

@@ -67,7 +67,7 @@ def test_kernel_int32_path_is_exact():
 
 
 @pytest.mark.parametrize("M", [1, 2])  # (the M = 1 kernel's epilogue, and the tiled one's)
-@pytest.mark.parametrize("case", ["tensor, past", "token, past", "token, colsum past", "int64, past",
+@pytest.mark.parametrize("case", ["tensor, past", "token, past", "token, colsum past", "int64, any range",
                                   "tensor, within", "token, within", "int64, within"])
 def test_kernel_integer_zero_point_terms_exact_within_bounds_refused_past_them(case, M):
     from tests.ops.test_scaled_mm import ZERO_POINTS

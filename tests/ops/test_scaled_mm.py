@@ -69,14 +69,15 @@ def test_int32_zero_point_correction_is_exact():
     assert torch.equal(corrected, exact)
 
 
-# Integer zero-point terms (azp_adj, azp) past what int8 quantization gives, whose sum with
-# the accumulator wrapped around int32 (4 - 2**20 * 4096 gave 4): refused, their outputs NaN;
-# and the largest ones within the bounds, exact (acc = 0, results fp32 holds exactly).
+# int32 zero-point terms (azp_adj, azp) past what int8 quantization gives, whose sum with the
+# accumulator wrapped around int32 (4 - 2**20 * 4096 gave 4): refused, their outputs NaN; the
+# largest ones within the bounds, exact; int64 terms exact at any range (acc = 0 here, and
+# results fp32 holds exactly).
 ZERO_POINTS = {
     "tensor, past": (torch.full((3,), 2**31 - 1, dtype=torch.int32), None, float("nan")),
     "token, past": (torch.full((3,), 4096, dtype=torch.int32), torch.full((2,), 2**20, dtype=torch.int32), float("nan")),
     "token, colsum past": (torch.full((3,), 2**23, dtype=torch.int32), torch.ones(2, dtype=torch.int32), float("nan")),
-    "int64, past": (torch.full((3,), 2**40, dtype=torch.int64), None, float("nan")),
+    "int64, any range": (torch.full((3,), 2**40, dtype=torch.int64), None, -(2.0**40)),  # (exact in int64)
     "tensor, within": (torch.full((3,), 2**30 - 128, dtype=torch.int32), None, -(2**30 - 128.0)),
     "token, within": (torch.full((3,), 2**23 - 1, dtype=torch.int32), torch.full((2,), -128, dtype=torch.int32),
                       2**30 - 128.0),
