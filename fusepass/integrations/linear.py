@@ -269,6 +269,11 @@ def _scale_rows(weight_scale: torch.Tensor, lo: int, hi: int, kind: str) -> torc
     return weight_scale[lo // BLOCK:hi // BLOCK] if kind == "fp8-block" else weight_scale[lo:hi]
 
 
+def _spread(blocks: torch.Tensor) -> torch.Tensor:
+    """One scale per 128x128 block, (N / 128, K / 128), as one per weight element (N, K)."""
+    return blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+
+
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -330,8 +335,7 @@ class _WithGradient(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             w, dtype = weight[lo:hi], ctx.x_dtype
             if kind == "fp8-block":
-                spread = _scale_rows(weight_scale, lo, hi, kind).repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
-                grad_x = g.to(dtype) @ (w.float() * spread[:, :w.shape[1]]).to(dtype)
+                grad_x = g.to(dtype) @ (w.float() * _spread(_scale_rows(weight_scale, lo, hi, kind))).to(dtype)
             else:
                 grad_x = (g.float() * weight_scale[lo:hi]).to(dtype) @ w.to(dtype)
             grad_x = grad_x.reshape(*grad.shape[:-1], w.shape[1])
@@ -378,10 +382,8 @@ def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor,
     ``passes/join.py`` joins siblings' calls on one activation."""
     q, scale, zp, w = _operands(x, weight, lo, hi, Act(kind, divisor, floor))
     if kind == "fp8-block":
-        blocks = weight_scale[lo // BLOCK:hi // BLOCK]  # (N / 128, K / 128)
         a = (q.float().unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
-        spread = blocks.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)  # (N, K)
-        y = a @ (w.t().float() * spread).t()
+        y = a @ (w.t().float() * _spread(_scale_rows(weight_scale, lo, hi, kind))).t()
     elif zp is None:
         y = (q.float() * scale) @ (w.float() * weight_scale[lo:hi])
     else:
