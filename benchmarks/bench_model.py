@@ -6,13 +6,15 @@
 
 The model is the demo's random transformers ``LlamaForCausalLM`` (``fusepass/demo/models.py``)
 at Llama-3-8B's size (32 layers, hidden 4096, intermediate 14336, 32/8 heads, vocab 128256),
-``--layers`` deep, lm_head in bf16. Variants (``VARIANTS``): bf16 under stock
+or with ``--shape qwen3-8b`` a ``Qwen3ForCausalLM`` at Qwen3-8B's (36 layers, intermediate
+12288, vocab 151936, q/k norms), ``--layers`` deep, lm_head in bf16. Variants (``VARIANTS``): bf16 under stock
 ``torch.compile``; torchao's W8A8 under stock ``torch.compile``; torchao's W8A8 through
 ``fusepass.prepare`` and ``backend="fusepass"``; the same without ``prepare``; the
 hand-written form (``demo/handwritten.py``) under fusepass; a compressed-tensors checkpoint
 (W8A8, FP8_DYNAMIC) as transformers runs it (FP8 also loaded from disk with its
 ``use_optimized_inference=True``), and through ``prepare`` and fusepass (also W8A8 with
-asymmetric activations, and FP8_BLOCK). Any variant's name + ``-frozen`` (``FROZEN``): compiled
+asymmetric activations, and FP8_BLOCK); transformers' own FP8 modules (native FP8 in
+128x128 blocks, Meta's FBGEMM FP8) through ``prepare`` and fusepass. Any variant's name + ``-frozen`` (``FROZEN``): compiled
 with Inductor's freezing, the weights held as constants, beside the plain variants. Steps:
 prefill of ``--prefill`` tokens (``logits_to_keep=1``) and one decode step at batch 1, 16, 64
 against a ``--cache``-slot ``StaticCache``. Modes: default and CUDA graphs (``reduce-overhead``),
@@ -68,6 +70,7 @@ from model_results import append, load, plot, report  # noqa: E402  (the results
 FUSED_GEMMS = tuple(k.fn.__name__ for k in KERNELS)
 
 FULL = models.Sizes(32, 4096, 14336, 32, 8, 128256)  # Llama-3-8B
+SHAPES = {"llama3-8b": FULL, "qwen3-8b": models.Sizes(36, 4096, 12288, 32, 8, 151936, "qwen3")}
 # name: (quantization, quantizer, backend, prepare)
 VARIANTS = {
     "bf16": (None, None, "inductor", False),
@@ -85,6 +88,10 @@ VARIANTS = {
     "ct-fp8-fusepass": ("fp8", "compressed-tensors", "fusepass", True),
     "ct-int8-asym-fusepass": ("int8-asym", "compressed-tensors", "fusepass", True),
     "ct-fp8-block-fusepass": ("fp8-block", "compressed-tensors", "fusepass", True),  # widths of 128s
+    # transformers' own FP8 modules (the native format's FP8Linear, 128x128 blocks; Meta's FBGEMM
+    # FP8 as FbgemmFp8Linear), through prepare + fusepass: transformers runs neither offline
+    "native-fp8-block-fusepass": ("fp8-block", "transformers", "fusepass", True),
+    "fbgemm-fp8-fusepass": ("fp8", "fbgemm", "fusepass", True),
     # the FP8_DYNAMIC checkpoint written to disk and loaded by transformers with
     # use_optimized_inference=True (row-wise F.scaled_mm on GPUs with fp8; elsewhere transformers
     # falls back to ct-fp8's route); in a process of its own (ALONE)
@@ -466,7 +473,7 @@ def run(layers: list[int], variants: list[str], modes: list[str], steps: list[st
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
-            "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "date": datetime.date.today().isoformat(), "torch": torch.__version__, "arch": sizes.arch,
             **({"guard_filter": guard_filter} if guard_filter else {})}
     rows = []
     for depth in layers:
@@ -518,7 +525,9 @@ def _line(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", default="32", help="comma list of depths (Llama-3-8B's layers each)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
+                    help="the model's sizes: Llama-3-8B's, or Qwen3-8B's (36 layers, intermediate 12288, q/k norms)")
+    ap.add_argument("--layers", default=None, help="comma list of depths (default: the shape's full depth)")
     ap.add_argument("--variants", default="bf16,fp8-stock,int8,int8-asym,fp8,int8-handwritten",
                     help=f"comma list of {', '.join(VARIANTS)}; any of them + {FROZEN}: compiled with "
                          "Inductor's freezing, the weights held as constants (docs/PERFORMANCE.md)")
@@ -546,8 +555,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(rows, args.plot)
         return 0
+    shape = SHAPES[args.shape]
     try:
-        layers = [int(x) for x in args.layers.split(",")]
+        layers = [int(x) for x in (args.layers or str(shape.layers)).split(",")]
     except ValueError:
         ap.error(f"--layers: not a comma list of integers: {args.layers!r}")
     if min(layers) < 1 or min(args.prefill, args.cache, args.calls) < 1:
@@ -567,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.calls + 11 + (5 if args.profile_steps else 0) > args.cache:
         ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps (+ 5 with --profile-steps)")
     rows = run(layers, variants, modes, steps, prefill=args.prefill, cache_len=args.cache, calls=args.calls,
-               out=args.out, profile_dir=args.profile_compile, steps_dir=args.profile_steps,
+               out=args.out, sizes=shape, profile_dir=args.profile_compile, steps_dir=args.profile_steps,
                guard_filter=args.guard_filter)
     print(report(rows))
     return 0

@@ -3,7 +3,7 @@
 Three ways in: ``torch.compile(model, backend="fusepass")``;
 ``torch.compile(model, options=fusepass.inductor_options())``; or the ops themselves,
 ``fusepass.scaled_mm`` / ``fusepass.scaled_mm_azp`` / ``fusepass.scaled_mm_blockwise`` /
-``fusepass.scaled_mm_group`` / ``fusepass.scaled_mm_dynamic``
+``fusepass.scaled_mm_group`` / ``fusepass.scaled_mm_dynamic`` / ``fusepass.scaled_mm_blockwise_dynamic``
 (``torch.ops.fusepass.*``).
 ``fusepass.explain(model, *inputs)`` reports what the pass fuses and why not;
 ``fusepass.prepare(model)`` turns a torchao or compressed-tensors model's quantized linears into
@@ -15,7 +15,8 @@ from .backend import fusepass_backend, inductor_options
 from .explain import Report, explain
 from .integrations import Preparation, W8A8Linear, prepare
 from .integrations.saved import register_when_imported
-from .ops import int_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise, scaled_mm_dynamic, scaled_mm_group
+from .ops import (int_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise, scaled_mm_blockwise_dynamic, scaled_mm_dynamic,
+                  scaled_mm_group)
 from .passes import FusePass, PassConfig
 
 
@@ -42,6 +43,7 @@ __all__ = [
     "scaled_mm",
     "scaled_mm_azp",
     "scaled_mm_blockwise",
+    "scaled_mm_blockwise_dynamic",
     "scaled_mm_dynamic",
     "scaled_mm_group",
 ]

@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
                        formatter_class=_Formatter)
     d.add_argument("--model", metavar="PATH_OR_ID",
                    help="a checkpoint to load with from_pretrained: a local directory, or a Hugging Face Hub id "
-                        "(needs the network); a W8A8 compressed-tensors checkpoint (llm-compressor's) runs as "
-                        "it is (default: a LlamaForCausalLM from a config, random weights, sized by the flags "
-                        "below)")
+                        "(needs the network); a W8A8 checkpoint runs as it is: compressed-tensors' (llm-compressor's), "
+                        "transformers' native FP8 (on a GPU of compute capability 8.9 or newer) and FBGEMM FP8 "
+                        "(default: a LlamaForCausalLM from a config, random weights, sized by the flags below)")
     d.add_argument("--quant", choices=QUANTS, default="int8",
                    help="int8: per-token symmetric activations; int8-asym: per-token asymmetric (zero point); "
                         "fp8: row-wise e4m3 (CUDA, compute capability 8.9 or newer). Weights: per-channel symmetric")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(fusepass/demo/handwritten.py), or compressed-tensors: as a W8A8 checkpoint of its "
                         "format loads (W8A8, W8A8 with asymmetric activations, FP8_DYNAMIC; lm_head left bf16). "
                         "torchao and compressed-tensors models go through fusepass.prepare. Ignored for a --model "
-                        "that is a compressed-tensors checkpoint: it is its own W8A8 model")
+                        "that is a W8A8 checkpoint: it is its own W8A8 model")
     d.add_argument("--device", choices=["cpu", "cuda"], help="where to run (default: cuda if available)")
     for flag, what in SIZES + STEPS:
         key = flag.replace("-", "_")

@@ -197,3 +197,19 @@ def record_split_requests(monkeypatch, module, run, tensors) -> list:
     for mode in ("fake", "symbolic"):
         make_fx(run, tracing_mode=mode)(*tensors)
     return seen
+
+
+def compiled_decisions(model, inputs: dict) -> tuple[list, dict]:
+    """The pass's decisions and counters where ``model(**inputs)`` compiles (the capture
+    backend: the graph Inductor would give the pass, no code generation)."""
+    from torch._dynamo.utils import counters
+
+    from fusepass.backend import capture_backend
+    from fusepass.passes import FusePass
+
+    decisions, pass_ = [], FusePass()
+    counters["fusepass"].clear()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=capture_backend(lambda gm: decisions.extend(pass_.run(gm.graph))))(**inputs)
+    return decisions, dict(counters["fusepass"])

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 import fusepass
-from fusepass.backend import capture_backend, fusepass_backend
-from fusepass.passes import FusePass
+from fusepass.backend import fusepass_backend
 from fusepass.passes.join import NAME as JOINED
-from fusepass.passes.quantize_in import NAME as QUANTIZED_IN
+from fusepass.passes.quantize_in import GROUPS_NAME as QUANTIZED_GROUPS_IN, NAME as QUANTIZED_IN
 
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("transformers")
 from fusepass.demo import accuracy, models  # noqa: E402
 from tests import ct_checkpoints as ct  # noqa: E402
+from tests.helpers import compiled_decisions  # noqa: E402
 
 KIND = {"W8A8": "int8", "W8A8_ASYM": "int8-asym", "FP8_DYNAMIC": "fp8", "FP8_BLOCK": "fp8-block"}
 PATTERNS = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token"},
@@ -91,17 +90,15 @@ def test_every_quantized_linear_fuses(checkpoints, scheme, step, batch, device):
     fusepass.prepare(model)
     ids = models.prompt(model, batch, 8, seed=2)
     inputs = dict(input_ids=ids) if step == "prefill" else models.decode_inputs(ids, models.static_cache(model, batch, 16))
-    decisions, pass_ = [], FusePass()
-    counters["fusepass"].clear()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        torch.compile(model, backend=capture_backend(lambda gm: decisions.extend(pass_.run(gm.graph))))(**inputs)
+    decisions, found = compiled_decisions(model, inputs)
     assert len(decisions) == ct.QUANTIZED_LINEARS and all(d.fused for d in decisions), decisions
-    found = dict(counters["fusepass"])
     joined = found.pop(JOINED, 0)
     # (outside CUDA graphs, each o_proj's and down_proj's symmetric int8 or fp8 row quantized in its M = 1 launch)
     in_gemv = 2 * ct.SIZES["num_hidden_layers"] if scheme in ("W8A8", "FP8_DYNAMIC") and (step, batch) == ("decode", 1) else 0
     assert found.pop(QUANTIZED_IN, 0) == in_gemv, found
+    # (FP8_BLOCK at decode b1: each block-wise launch quantizes its row's 128-wide groups)
+    in_groups = 4 * ct.SIZES["num_hidden_layers"] if scheme == "FP8_BLOCK" and (step, batch) == ("decode", 1) else 0
+    assert found.pop(QUANTIZED_GROUPS_IN, 0) == in_groups, found
     assert set(found) <= PATTERNS[KIND[scheme]] and sum(found.values()) == ct.QUANTIZED_LINEARS, found
     assert joined == 2 * ct.SIZES["num_hidden_layers"], (joined, found)  # (q/k/v and gate/up)
 

@@ -311,19 +311,21 @@ def _linear(act: Act, n: int = 256, k: int = 256, lo: int = 128, hi: int = 256):
         weight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n // 128, k // 128, generator=g) if act.kind == "fp8-block" else torch.rand(n, generator=g)
     colsum = weight.to(torch.int32).sum(1) if act.kind == "int8-asym" else None
-    return W8A8Linear(Joint(weight, scale / 100, colsum, torch.randn(n, generator=g)), lo, hi, act)
+    input_scale = torch.tensor(0.01) if act.kind == "fp8-static" else None
+    return W8A8Linear(Joint(weight, scale / 100, colsum, torch.randn(n, generator=g), input_scale), lo, hi, act)
 
 
-@pytest.mark.parametrize("kind", Act.KINDS)
-def test_the_traced_form_computes_the_eager_forward(kind):
+@pytest.mark.parametrize("act", [Act(kind) for kind in Act.KINDS] + [Act("fp8", ceiling=1.5)], ids=str)
+def test_the_traced_form_computes_the_eager_forward(act):
     """``fusepass::w8a8_linear`` (what a compiler sees) against the forward on the ops, rows
-    [128, 256) of a joint weight with a bias: the same product, to fp32's rounding."""
+    [128, 256) of a joint weight with a bias: the same product, to fp32's rounding (an amax
+    ceiling below the rows' amax: FBGEMM's recipe, values clamped)."""
     from fusepass.integrations.linear import SOURCE
 
-    lin, x = _linear(Act(kind)), torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(1))
+    lin, x = _linear(act), torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(1))
     j = lin.joint
-    traced = torch.ops.fusepass.w8a8_linear(x, j.weight, j.weight_scale, j.colsum, j.bias, lin.lo, lin.hi,
-                                            kind, lin.act.divisor, lin.act.floor, SOURCE)
+    traced = torch.ops.fusepass.w8a8_linear(x, j.weight, j.weight_scale, j.colsum, j.bias, j.input_scale, lin.lo,
+                                            lin.hi, act.kind, act.divisor, act.floor, act.ceiling, SOURCE)
     assert traced.shape == (2, 3, 128)
     torch.testing.assert_close(traced, lin(x), rtol=1e-4, atol=1e-4)
 

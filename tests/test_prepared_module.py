@@ -84,7 +84,8 @@ def _lone(kind: str, bias: bool = True, n: int = 256, k: int = 256) -> W8A8Linea
     scale = torch.rand(n // 128, k // 128, generator=g) if kind == "fp8-block" else torch.rand(n, generator=g)
     colsum = weight.to(torch.int32).sum(1) if kind == "int8-asym" else None
     b = nn.Parameter(torch.randn(n, generator=g)) if bias else None
-    return W8A8Linear(Joint(weight, scale / 100, colsum, b), 128, 256, Act(kind))
+    input_scale = torch.tensor(0.01) if kind == "fp8-static" else None
+    return W8A8Linear(Joint(weight, scale / 100, colsum, b, input_scale), 128, 256, Act(kind))
 
 
 def _dequantized(lin: W8A8Linear) -> torch.Tensor:

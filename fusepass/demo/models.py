@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 QUANTS = ("int8", "int8-asym", "fp8")
-QUANTIZERS = ("torchao", "handwritten", "compressed-tensors")
+QUANTIZERS = ("torchao", "handwritten", "compressed-tensors")  # (the demo's; the benchmark also has
+# "transformers" and "fbgemm": transformers' FP8 modules, quantized_copy)
 # compressed-tensors' scheme for each --quant (llm-compressor's presets; int8-asym: W8A8 with
 # asymmetric dynamic activations, which the format takes but no preset names); fp8-block
 # (DeepSeek-V3's 128x128 weight blocks) for the benchmark only: torchao has no such --quant
@@ -45,6 +46,7 @@ class Sizes:
     heads: int
     kv_heads: int
     vocab_size: int
+    arch: str = "llama"  # or "qwen3": Qwen3ForCausalLM (q/k norms, head size 128)
 
     def problems(self) -> list[str]:
         """What is wrong with these sizes, in the flags' words (empty if nothing)."""
@@ -81,13 +83,14 @@ def random_llama(sizes: Sizes, max_len: int, device: torch.device, seed: int) ->
     """A LlamaForCausalLM from a config: random weights, nothing downloaded. Weights are drawn
     like a trained model's scale (unit-variance activations through every linear), so that
     quantization error and greedy decoding look as they would on a real model."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-    config = LlamaConfig(
+    kwargs = dict(
         hidden_size=sizes.hidden_size, intermediate_size=sizes.intermediate_size,
         num_hidden_layers=sizes.layers, num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads,
         vocab_size=sizes.vocab_size, max_position_embeddings=max_len, tie_word_embeddings=False,
     )
+    config = Qwen3Config(**kwargs, head_dim=128) if sizes.arch == "qwen3" else LlamaConfig(**kwargs)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -110,10 +113,15 @@ def checkpoint(name: str) -> str:
     return name
 
 
+# The W8A8 checkpoint formats the demo runs as they are (their config's quant_method):
+# compressed-tensors', transformers' native FP8 (FP8Linear) and FBGEMM FP8 (FbgemmFp8Linear)
+CHECKPOINT_FORMATS = ("compressed-tensors", "fp8", "fbgemm_fp8")
+
+
 @functools.cache  # (the demo asks while it builds and again while it times)
 def prequantized(name: str) -> str | None:
     """The quantization method of a checkpoint (a local directory or a hub id) that is already
-    W8A8 (its config's ``quantization_config``: "compressed-tensors"), else None."""
+    W8A8 (its config's ``quantization_config``: one of CHECKPOINT_FORMATS), else None."""
     from transformers import AutoConfig
 
     try:
@@ -121,28 +129,98 @@ def prequantized(name: str) -> str | None:
     except (OSError, ValueError, KeyError):
         return None  # (load_pretrained then says why)
     method = (getattr(config, "quantization_config", None) or {}).get("quant_method")
-    return method if method == "compressed-tensors" else None
+    return method if method in CHECKPOINT_FORMATS else None
 
 
 def load_pretrained(name: str, device: torch.device, dequantize: bool = False) -> nn.Module:
-    """``from_pretrained`` of a local directory or a hub id (needs the network), in bf16;
-    ``dequantize``: a compressed-tensors checkpoint's weights dequantized, with no activation
-    quantization (its float model, as near as the checkpoint has one). Raises SystemExit with
-    a one-line reason where it cannot."""
+    """``from_pretrained`` of a local directory or a hub id (needs the network), in bf16,
+    onto ``device`` (transformers builds a native FP8 checkpoint's FP8Linears where it loads
+    on a GPU; on a CPU it dequantizes them); ``dequantize``: a W8A8 checkpoint's weights
+    dequantized, with no activation quantization (its float model, as near as the checkpoint
+    has one). Raises SystemExit with a one-line reason where it cannot."""
     from transformers import AutoModelForCausalLM
 
     try:
         name = checkpoint(name)
-        kwargs = {}
-        if dequantize:
+        method = prequantized(name)
+        kwargs = {"device_map": str(device)} if method == "fp8" and device.type == "cuda" else {}
+        if dequantize and method == "compressed-tensors":
             from transformers import CompressedTensorsConfig
 
             kwargs["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+        elif dequantize and method == "fp8":
+            from transformers import FineGrainedFP8Config
+
+            kwargs["quantization_config"] = FineGrainedFP8Config(dequantize=True)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16, **kwargs)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, ImportError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise SystemExit(f"fusepass demo: cannot load --model {name}: {reason}") from None
+    if dequantize and method == "fbgemm_fp8":  # (transformers has no dequantize for it)
+        _dequantize_fbgemm(model)
     return model.to(device).eval()
+
+
+def _dequantize_fbgemm(model: nn.Module) -> None:
+    """Each FbgemmFp8Linear of ``model`` as a bf16 nn.Linear of its dequantized weight."""
+    for path, m in list(model.named_modules()):
+        if type(m).__name__ == "FbgemmFp8Linear":
+            linear = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=torch.bfloat16,
+                               device=m.weight.device)
+            linear.weight.data = (m.weight.float() * m.weight_scale.float().reshape(-1, 1)).to(torch.bfloat16)
+            if m.bias is not None:
+                linear.bias.data = m.bias.detach().to(torch.bfloat16)
+            model.set_submodule(path, linear)
+
+
+def transformers_fp8(model: nn.Module, block: tuple | None = (128, 128)) -> nn.Module:
+    """``model`` (in place) as transformers holds a native FP8 checkpoint it loaded on a GPU:
+    every linear but lm_head a transformers ``FP8Linear`` (128x128 weight blocks, or per-tensor
+    where ``block`` is None), its weight quantized by transformers' own ``Fp8Quantize`` (what
+    ``FineGrainedFP8Config`` does as a model loads), without a checkpoint written to disk."""
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations.finegrained_fp8 import Fp8Quantize, replace_with_fp8_linear
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    config = FineGrainedFP8Config(weight_block_size=block)
+    linears = {path: m for path, m in model.named_modules() if type(m) is nn.Linear and path != "lm_head"}
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=config,
+                            pre_quantized=False)
+    quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(config))
+    for path, old in linears.items():
+        new = model.get_submodule(path)
+        values = quantize.convert({f"{path}.weight": old.weight.detach()})
+        new.weight = nn.Parameter(values[f"{path}.weight"], requires_grad=False)
+        new.weight_scale_inv = nn.Parameter(values[f"{path}.weight_scale_inv"].reshape(new.weight_scale_inv.shape),
+                                            requires_grad=False)
+        if old.bias is not None:
+            new.bias = old.bias
+    return model
+
+
+def fbgemm_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FBGEMM's per-row fp8 quantization of a weight (``quantize_fp8_per_row``: amax / 448 a
+    row, floored at 1e-12): (e4m3 values, (N, 1) fp32 scales)."""
+    scale = w.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+    return (w.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
+
+
+def fbgemm_fp8(model: nn.Module, activation_scale_ub: float = 1200.0) -> nn.Module:
+    """``model`` (in place) as transformers holds an FBGEMM FP8 checkpoint (Meta's format) it
+    loaded: every linear but lm_head a transformers ``FbgemmFp8Linear`` holding FBGEMM's
+    per-row quantization of its weight (``fbgemm_rows``), ``input_scale_ub`` the config's bound."""
+    from transformers.integrations.fbgemm_fp8 import FbgemmFp8Linear
+
+    for path, old in [(p, m) for p, m in model.named_modules() if type(m) is nn.Linear and p != "lm_head"]:
+        with torch.device("meta"):
+            new = FbgemmFp8Linear(old.in_features, old.out_features, old.bias is not None)
+        q, scale = fbgemm_rows(old.weight.detach())
+        new.weight = nn.Parameter(q, requires_grad=False)
+        new.weight_scale = nn.Parameter(scale, requires_grad=False)
+        new.input_scale_ub = torch.tensor([activation_scale_ub], device=q.device)
+        new.bias = old.bias
+        model.set_submodule(path, new)
+    return model
 
 
 def compressed_tensors(model: nn.Module, scheme: str):
@@ -206,6 +284,10 @@ def quantized_copy(model: nn.Module, quant: str, quantizer: str) -> nn.Module:
     if quantizer == "compressed-tensors":
         compressed_tensors(qmodel, CT_SCHEMES[quant])
         return qmodel
+    if quantizer == "transformers":  # (its native FP8 format: 128x128 blocks, or per-tensor)
+        return transformers_fp8(qmodel, (128, 128) if quant == "fp8-block" else None)
+    if quantizer == "fbgemm":
+        return fbgemm_fp8(qmodel)
     if quant not in QUANTS:
         raise ValueError(f"{quant}: compressed-tensors only (torchao's: {', '.join(QUANTS)})")
     with quiet_imports():

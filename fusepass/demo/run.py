@@ -118,7 +118,11 @@ def _build(o: Options):
             fmodel = (qmodel if o.quantizer == "handwritten"
                       else models.quantized_copy(model, o.quant, o.quantizer))
         if fmodel is not qmodel:
-            note["result"] = str(prepare(fmodel)).splitlines()[0]
+            report = prepare(fmodel)
+            note["result"] = str(report).splitlines()[0]
+            if checkpoint and not report.converted:  # (transformers dequantizes native FP8 without a GPU for it)
+                raise SystemExit(f"fusepass demo: --model {o.model}: no quantized linear to run ({report}); a native "
+                                 "FP8 checkpoint loads quantized only on a GPU of compute capability 8.9 or more")
         ids = models.prompt(model, o.batch, o.prompt_len, o.seed)
     if checkpoint:
         how = f"the checkpoint's own ({checkpoint}; the bf16 model: its weights dequantized)"
@@ -160,8 +164,11 @@ def _accuracy(o: Options, model, qmodel, fmodel, prompt) -> bool:
     with step(f"greedy generation, {o.new_tokens} token{'s' * (o.new_tokens > 1)}: compiling with "
               f"backend=fusepass ({what})"):
         fused = greedy("fusepass-compiled", fmodel, prompt, o.new_tokens, fusepass_backend, compile_prefill)
-    with step("greedy generation: eager quantized and bf16 models"):
+    with step("greedy generation: eager quantized and bf16 models") as note:
         eager = greedy("eager quantized", qmodel, prompt, o.new_tokens)
+        if eager.error:  # (a checkpoint's own modules that cannot run here: FP8Linear without `kernels`)
+            note["result"] = f"the checkpoint's own eager model failed ({eager.error}): the prepared one's instead"
+            qmodel, eager = fmodel, greedy("prepared, eager", fmodel, prompt, o.new_tokens)
         bf16 = greedy("bf16", model, prompt, o.new_tokens)
         ref_q = ref_bf16 = None
         if fused.tokens is not None:  # the references read the compiled run's tokens

@@ -43,25 +43,37 @@ class Act:
     - ``int8-asym``: ``scale = (max(hi, 0) - min(lo, 0)) / 255`` and a zero point;
     - ``fp8``: e4m3, ``scale = amax / 448``, amax at least ``floor``;
     - ``fp8-block``: as ``fp8``, per 128-wide group of a row (DeepSeek-V3's recipe; the weight
-      then has one scale per 128x128 block).
+      then has one scale per 128x128 block);
+    - ``fp8-static``: e4m3 with one scale for every row, the checkpoint's calibrated
+      ``input_scale`` (a tensor of the linear's, not of the recipe).
+
+    ``ceiling`` (``fp8`` only): the amax at most this (FBGEMM's ``activation_scale_ub``: an
+    outlier row keeps a scale that leaves its other values representable).
     """
 
     kind: str
     divisor: float = 127.5
     floor: float = SCALE_EPS
+    ceiling: float | None = None
 
-    KINDS = ("int8", "int8-asym", "fp8", "fp8-block")
+    KINDS = ("int8", "int8-asym", "fp8", "fp8-block", "fp8-static")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
             raise ValueError(f"Act.kind must be one of {self.KINDS}, got {self.kind!r}")
+        if self.ceiling is not None and (self.kind != "fp8" or not self.ceiling > self.floor):
+            raise ValueError(f"Act.ceiling bounds an fp8 row's amax and must exceed the floor ({self.floor}); "
+                             f"got {self.ceiling!r} for {self.kind!r}")
 
 
-def quantize_rows(x: torch.Tensor, act: Act):
+def quantize_rows(x: torch.Tensor, act: Act, input_scale: torch.Tensor | None = None):
     """``x`` (M, K) quantized per row: (q (M, K), scale (M, 1) fp32, zero point (M,) int32
-    or None); for ``fp8-block`` per 128-wide group, scale (M, K / 128). Computed in fp32
-    whatever ``x``'s dtype."""
+    or None); for ``fp8-block`` per 128-wide group, scale (M, K / 128); for ``fp8-static`` by
+    ``input_scale``, scale (1, 1). Computed in fp32 whatever ``x``'s dtype."""
     xf = x.float()
+    if act.kind == "fp8-static":
+        scale = input_scale.float().reshape(1, 1)
+        return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None
     if act.kind == "fp8-block":
         groups = xf.unflatten(-1, (-1, BLOCK))  # (M, K / 128, 128)
         scale = groups.abs().amax(dim=-1).clamp(min=act.floor) / 448.0  # (M, K / 128)
@@ -76,7 +88,9 @@ def quantize_rows(x: torch.Tensor, act: Act):
         return q, scale, zp.to(torch.int32).reshape(-1)
     amax = xf.abs().amax(dim=-1, keepdim=True)
     if act.kind == "fp8":
-        scale = amax.clamp(min=act.floor) / 448.0
+        # (without a ceiling the form quantize_in.py matches, as before: one clamp_min)
+        bounded = amax.clamp(min=act.floor) if act.ceiling is None else amax.clamp(act.floor, act.ceiling)
+        scale = bounded / 448.0
         return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None
     scale = nan_if_infinite((amax / act.divisor).clamp(min=SCALE_EPS))
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale, None
@@ -116,19 +130,23 @@ class Joint(nn.Module):
     """The weights of one or more sibling linears, rows in order:
     ``weight`` (N, K) int8 / fp8, ``weight_scale`` (N,) fp32 (``fp8-block``: (N / 128, K / 128),
     one per 128x128 block), ``colsum`` (N,) int32 (the weight's row sums, for asymmetric
-    activations) and ``bias`` (N,), each or None. The quantized values are buffers; the bias is a
-    Parameter (trainable as the biases it joins were: ``requires_grad`` theirs).
+    activations), ``bias`` (N,) and ``input_scale`` (a 0-d fp32 tensor: ``fp8-static``'s
+    activation scale, for a joint of one linear), each or None. The quantized values and scales
+    are buffers; the bias is a Parameter (trainable as the biases it joins were: ``requires_grad``
+    theirs).
 
     Its state is saved and loaded by the linears that read it, each its own rows
     (``W8A8Linear``): a state dict holds no tensor twice, and loads into a model whose siblings
     are joined otherwise (or not at all)."""
 
     def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor,
-                 colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None):
+                 colsum: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 input_scale: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
         self.register_buffer("colsum", colsum)
+        self.register_buffer("input_scale", input_scale)
         if bias is not None and not isinstance(bias, nn.Parameter):
             bias = nn.Parameter(bias, requires_grad=False)
         self.register_parameter("bias", bias)
@@ -138,7 +156,7 @@ class Joint(nn.Module):
         except that the quantized values and scales keep their dtypes: ``.to(dtype)``,
         ``.half()``, ``.bfloat16()`` convert floating tensors, an fp8 weight and fp32 scales
         among them, and would change what they hold. Only the bias follows."""
-        kept = {id(t) for t in (self.weight, self.weight_scale, self.colsum) if t is not None}
+        kept = {id(t) for t in (self.weight, self.weight_scale, self.colsum, self.input_scale) if t is not None}
 
         def keep_dtype(t):
             if id(t) in kept:  # (what fn makes of an empty tensor of t's: a cast not to make of t)
@@ -193,6 +211,11 @@ class W8A8Linear(nn.Module):
         """The joint bias's rows (a lone linear's: its own Parameter), or None."""
         return None if self.joint.bias is None else self._own_rows(self.joint.bias)
 
+    @property
+    def input_scale(self) -> torch.Tensor | None:
+        """``fp8-static``'s activation scale (0-d fp32), or None."""
+        return self.joint.input_scale
+
     def _own_rows(self, t: torch.Tensor) -> torch.Tensor:
         return t if (self.lo, self.hi) == (0, t.shape[0]) else t[self.lo:self.hi]
 
@@ -211,13 +234,13 @@ class W8A8Linear(nn.Module):
             raise TypeError(f"fusepass.W8A8Linear: the input must be bfloat16, float16 or float32 (it is quantized "
                             f"per token); got {x.dtype}, shape {tuple(x.shape)}")
         j = self.joint
-        args = (x, j.weight, j.weight_scale, j.colsum, j.bias, self.lo, self.hi, self.act_index)
+        args = (x, j.weight, j.weight_scale, j.colsum, j.bias, j.input_scale, self.lo, self.hi, self.act_index)
         if torch.is_grad_enabled() and (x.requires_grad or (j.bias is not None and j.bias.requires_grad)):
             return _WithGradient.apply(*args)
         return _forward(*args)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        for name in ("weight", "weight_scale", "bias"):
+        for name in STATE:
             t = getattr(self, name)
             if t is not None:
                 destination[prefix + name] = t if keep_vars else t.detach()
@@ -228,7 +251,7 @@ class W8A8Linear(nn.Module):
         bias may come in another floating dtype); a joint still on the meta device is made
         first, on the device of what loads into it. The row sums follow the weight."""
         j, lo, hi = self.joint, self.lo, self.hi
-        for name in ("weight", "weight_scale", "bias"):
+        for name in STATE:
             key, mine = prefix + name, getattr(self, name)
             if mine is None:
                 continue
@@ -255,7 +278,7 @@ class W8A8Linear(nn.Module):
                         j.colsum = torch.empty_like(j.colsum, device=value.device)
                     j.colsum[lo:hi] = value.sum(1, dtype=torch.int32)
         if strict:
-            ours = {prefix + n for n in ("weight", "weight_scale", "bias")}
+            ours = {prefix + n for n in STATE}
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in ours
                                    and not k.startswith(prefix + "joint."))
 
@@ -275,19 +298,22 @@ def _spread(blocks: torch.Tensor) -> torch.Tensor:
 
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# What a W8A8Linear's state dict holds (those it has: not None)
+STATE = ("weight", "weight_scale", "bias", "input_scale")
 
 
-def _forward(x, weight, weight_scale, colsum, bias, lo, hi, index):
+def _forward(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, index):
     """Rows [lo, hi) of the joint applied to ``x``: traced as one ``fusepass::w8a8_linear`` node
     (exported, the ATen forms); eagerly, on fusepass's ops."""
     act = ACTS[index]
     if torch.compiler.is_compiling():
-        args = (x, weight, weight_scale, colsum, bias, lo, hi, act.kind, act.divisor, act.floor)
+        args = (x, weight, weight_scale, colsum, bias, input_scale, lo, hi, act.kind, act.divisor, act.floor,
+                act.ceiling)
         # (exported: the ATen forms, so a saved program needs no fusepass to load)
         if exporting():
             return _traced(*args, SOURCE)
         return torch.ops.fusepass.w8a8_linear(*args, SOURCE)
-    q, scale, zp, w = _operands(x, weight, lo, hi, act)
+    q, scale, zp, w = _operands(x, weight, lo, hi, act, input_scale)
     bias = None if bias is None else bias[lo:hi]
     if act.kind == "fp8-block":
         y = torch.ops.fusepass.scaled_mm_blockwise(q, w, scale, _scale_rows(weight_scale, lo, hi, act.kind).t(), x.dtype, bias)
@@ -321,10 +347,10 @@ class _WithGradient(torch.autograd.Function):
     quantized bases take it). The weights are constants: no gradient."""
 
     @staticmethod
-    def forward(ctx, x, weight, weight_scale, colsum, bias, lo, hi, index):
+    def forward(ctx, x, weight, weight_scale, colsum, bias, input_scale, lo, hi, index):
         ctx.save_for_backward(weight, weight_scale)
         ctx.rows, ctx.index, ctx.x_dtype, ctx.bias_rows = (lo, hi), index, x.dtype, None if bias is None else bias.shape[0]
-        return _forward(x, weight, weight_scale, colsum, bias, lo, hi, index)
+        return _forward(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, index)
 
     @staticmethod
     def backward(ctx, grad):
@@ -342,7 +368,7 @@ class _WithGradient(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             grad_bias = g.new_zeros(ctx.bias_rows)
             grad_bias[lo:hi] = g.sum(0)
-        return grad_x, None, None, None, grad_bias, None, None, None
+        return grad_x, None, None, None, grad_bias, None, None, None, None
 
 
 # What a compiler sees of a W8A8Linear: one node, ``fusepass::w8a8_linear``, for Dynamo to
@@ -357,20 +383,22 @@ class _WithGradient(torch.autograd.Function):
 SOURCE = hashlib.sha256(__loader__.get_data(__file__)).hexdigest()[:16]
 _LIB = torch.library.Library("fusepass", "FRAGMENT")
 _LIB.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? colsum, Tensor? bias, "
-            "int lo, int hi, str kind, float divisor, float floor, str source) -> Tensor")
+            "Tensor? input_scale, int lo, int hi, str kind, float divisor, float floor, float? ceiling, "
+            "str source) -> Tensor")
 
 
-def _operands(x, weight, lo, hi, act: Act):
+def _operands(x, weight, lo, hi, act: Act, input_scale=None):
     """``x``'s rows quantized by ``act`` (q (M, K), its scale, zero point or None) and rows
     [lo, hi) of ``weight`` as (K, N), column-major: the forward's operands, eager or traced."""
-    return *quantize_rows(x.reshape(-1, x.shape[-1]), act), weight[lo:hi].t()
+    return *quantize_rows(x.reshape(-1, x.shape[-1]), act, input_scale), weight[lo:hi].t()
 
 
-def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor, source):
+def _traced(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, kind, divisor, floor, ceiling, source):
     """Rows [lo, hi) of the joint weight applied to ``x``, in plain ATen ops:
 
-    - symmetric: a float matmul of the dequantized operands (pattern 8), which another
-      backend computes as written (correct, without the fused kernels);
+    - symmetric (``fp8-static`` too, its scale per-tensor): a float matmul of the
+      dequantized operands (pattern 8), which another backend computes as written (correct,
+      without the fused kernels);
     - asymmetric: ``_int_mm`` and the zero-point correction with the stored row sums
       (pattern 5). As a float matmul the pass would sum the weight's columns in the
       graph, a second read of the weight on every call. Another backend on CUDA needs
@@ -380,7 +408,7 @@ def _traced(x, weight, weight_scale, colsum, bias, lo, hi, kind, divisor, floor,
 
     The pass turns each back into one op call with exact integer (or fp8) products, and
     ``passes/join.py`` joins siblings' calls on one activation."""
-    q, scale, zp, w = _operands(x, weight, lo, hi, Act(kind, divisor, floor))
+    q, scale, zp, w = _operands(x, weight, lo, hi, Act(kind, divisor, floor, ceiling), input_scale)
     if kind == "fp8-block":
         a = (q.float().unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
         y = a @ (w.t().float() * _spread(_scale_rows(weight_scale, lo, hi, kind))).t()

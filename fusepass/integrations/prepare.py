@@ -25,6 +25,12 @@ What it converts (the checkpoint's quantized values and scales, never re-quantiz
   groups ("FP8_BLOCK", fusepass's block-wise op); the activation scales as compressed-tensors
   computes them (amax / 127.5, amax / 448). Its decompression hook and offload wrappers go.
 
+- transformers' own FP8 modules as ``from_pretrained`` builds them: ``FP8Linear`` (native FP8,
+  ``quant_method: "fp8"``: 128x128 blocks, or per-tensor with dynamic or static activations)
+  and ``FbgemmFp8Linear`` (Meta's FBGEMM FP8: per-row weights, per-token activations with an
+  amax bound); ``_fp8_linear``, ``_fbgemm_fp8_linear``. Neither then needs transformers'
+  kernels (a hub download, DeepGEMM, fbgemm-gpu).
+
 - fusepass's own checkpoints (``saved.py``: what ``save_pretrained`` writes of a prepared model),
   as ``from_pretrained`` loads them.
 
@@ -76,11 +82,12 @@ class Preparation:
 @dataclass
 class _Quantized:
     """One linear's checkpoint values: weight (N, K), per-row scale (N,) fp32 (or per
-    128x128 block, (N / 128, K / 128)), activations."""
+    128x128 block, (N / 128, K / 128)), activations (``fp8-static``: by ``input_scale``)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
     act: Act
+    input_scale: torch.Tensor | None = None
 
 
 def _torchao(w) -> _Quantized | str | None:
@@ -206,11 +213,105 @@ def _stored(module) -> _Quantized | None:
     if module.weight.dtype != module.stored_dtype or module.weight_scale.dtype != torch.float32:
         return (f"a fusepass checkpoint's {module.act.kind} linear loaded as {module.weight.dtype} weights and "
                 f"{module.weight_scale.dtype} scales (something replaced its tensors after loading)")
-    return _Quantized(module.weight.detach(), module.weight_scale.detach(), module.act)
+    return _Quantized(module.weight.detach(), module.weight_scale.detach(), module.act,
+                      None if module.input_scale is None else module.input_scale.detach())
+
+
+# transformers' FP8 modules (its integrations finegrained_fp8.py, the "fp8" checkpoints, and
+# fbgemm_fp8.py; 5.17 to 5.24): FP8Linear and FbgemmFp8Linear are taken apart, and the others
+# quantized there are left with a reason.
+_HF_FP8 = ("transformers.integrations.finegrained_fp8", "transformers.integrations.fbgemm_fp8")
+_HF_FP8_LINEARS = ("FP8Linear", "FbgemmFp8Linear")
+_FP8 = torch.float8_e4m3fn
+
+
+def _transformers_fp8(module: nn.Module) -> _Quantized | str | None:
+    """A transformers FP8 module's checkpoint values, or why not; None for another module."""
+    cls = type(module)
+    if cls.__module__ not in _HF_FP8:
+        return None
+    name = cls.__name__
+    if name == "FP8Linear":
+        return _fp8_linear(module)
+    if name == "FbgemmFp8Linear":
+        return _fbgemm_fp8_linear(module)
+    if name in ("FP8Experts", "FbgemmFp8Llama4TextExperts"):
+        return (f"transformers' {name} (a mixture of experts' weights): fusepass does not run MoE experts yet; "
+                "they run on transformers' own kernels")
+    if name == "FP8GroupedLinear":
+        return ("transformers' FP8GroupedLinear (block-diagonal groups of one weight): fusepass runs whole "
+                "linears")
+    return None  # (FP8Embedding: a lookup, which needs no kernel)
+
+
+def _fp8_linear(m) -> _Quantized | str:
+    """transformers' ``FP8Linear`` (``quant_method: "fp8"``: Qwen3-*-FP8, DeepSeek-V3's format):
+    an e4m3 ``weight`` (N, K) and fp32 ``weight_scale_inv``, the weight's multiplier despite its
+    name: one per 128x128 block (``block_size`` [128, 128]: activations per 1x128 group, as
+    compressed-tensors' FP8_BLOCK) or one for the tensor (``block_size`` None: activations per
+    token, or by the checkpoint's ``activation_scale`` where ``activation_scheme`` is "static")."""
+    w, s, what = m.weight, m.weight_scale_inv, "transformers' FP8Linear"
+    if w.dtype == torch.int8:
+        return f"{what} with FP4-packed weights (two e2m1 values a byte): fusepass runs 8-bit weights"
+    if w.dtype != _FP8:
+        return f"{what} with a {w.dtype} weight: fusepass runs float8_e4m3fn weights"
+    if s.dtype != torch.float32:
+        return (f"{what} with {s.dtype} weight scales (UE8M0: powers of two, whose recipe also rounds the "
+                "activations' scales to powers of two): fusepass runs fp32 scales")
+    scheme, block, (N, K) = m.activation_scheme, m.block_size, w.shape
+    if scheme not in ("dynamic", "static"):
+        return f"{what} with activation_scheme {scheme!r}: fusepass runs 'dynamic' and 'static'"
+    if block is None:
+        if s.numel() != 1:
+            return f"{what} without a block size (per-tensor) but weight_scale_inv of shape {tuple(s.shape)}"
+        scale = s.detach().reshape(1).expand(N).clone()  # (the one value, on every row)
+        if scheme == "dynamic":
+            return _Quantized(w.detach(), scale, Act("fp8"))
+        a = m.activation_scale
+        if a is None or a.numel() != 1 or not a.is_floating_point():
+            return f"{what} with a static activation scheme and activation_scale {a!r}: one float value expected"
+        value = None if a.is_meta else float(a.detach())
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return f"{what} with a static activation_scale of {value}: a positive finite value expected"
+        return _Quantized(w.detach(), scale, Act("fp8-static"), a.detach().float().reshape(()))
+    if list(block) != [BLOCK, BLOCK]:
+        return f"{what} with {list(block)} weight blocks: fusepass runs 128x128 blocks"
+    if scheme == "static":
+        return (f"{what} with a static activation scale and 128x128 weight blocks: fusepass runs static activation "
+                "scales beside per-tensor weight scales")
+    if N % BLOCK or K % BLOCK:
+        return f"{what}: a {(N, K)} weight is not whole 128x128 blocks"
+    if tuple(s.shape) != (N // BLOCK, K // BLOCK):
+        return f"{what}: weight_scale_inv of shape {tuple(s.shape)} for a {(N, K)} weight in 128x128 blocks"
+    return _Quantized(w.detach(), s.detach(), Act("fp8-block"))
+
+
+# FBGEMM's quantize_fp8_per_row floors a row's amax at 1e-12
+_FBGEMM_FLOOR = 1e-12
+
+
+def _fbgemm_fp8_linear(m) -> _Quantized | str:
+    """transformers' ``FbgemmFp8Linear`` (``quant_method: "fbgemm_fp8"``: Meta's FP8 releases):
+    an e4m3 ``weight`` (N, K), ``weight_scale`` (N, 1) per row, activations per token with their
+    amax at most ``input_scale_ub`` (the config's ``activation_scale_ub``)."""
+    w, s, ub, what = m.weight, m.weight_scale, m.input_scale_ub, "transformers' FbgemmFp8Linear"
+    if w.dtype != _FP8:
+        return f"{what} with a {w.dtype} weight: fusepass runs float8_e4m3fn weights"
+    N = w.shape[0]
+    if s.numel() != N or not s.is_floating_point():
+        return f"{what}: weight_scale {s.dtype} of shape {tuple(s.shape)} for {N} rows (one float scale a row expected)"
+    if ub.is_meta or ub.numel() != 1:
+        return f"{what}: input_scale_ub of shape {tuple(ub.shape)} on {ub.device} (prepare a loaded model)"
+    bound = float(ub)
+    if not (math.isfinite(bound) and bound > _FBGEMM_FLOOR):
+        return (f"{what} with input_scale_ub {bound}: a positive bound expected (transformers sets it from the "
+                "config's activation_scale_ub as it loads the model)")
+    return _Quantized(w.detach(), s.detach().float().reshape(N), Act("fp8", floor=_FBGEMM_FLOOR, ceiling=bound))
 
 
 # Formats prepare recognizes: each maps a linear to its values, a reason, or None.
-FORMATS = (lambda linear: _torchao(getattr(linear, "weight", None)), _compressed_tensors, _stored)
+FORMATS = (lambda linear: _torchao(getattr(linear, "weight", None)), _compressed_tensors, _stored,
+           _transformers_fp8)
 
 
 def _recognize(linear: nn.Linear) -> _Quantized | str | None:
@@ -227,7 +328,7 @@ def _changed_behaviour(linear: nn.Module) -> str | None:
     a forward replaced on the instance by something other than the format prepare takes apart
     (compressed-tensors')."""
     cls = type(linear)
-    if isinstance(linear, nn.Linear) and cls is not nn.Linear:
+    if isinstance(linear, nn.Linear) and cls is not nn.Linear and cls.__module__ not in _HF_FP8:
         own = " and its own forward" if cls.forward is not nn.Linear.forward else ""
         return (f"a {cls.__module__}.{cls.__qualname__} (a subclass of nn.Linear{own}): its behaviour would be "
                 "lost; prepare converts nn.Linear itself")
@@ -254,7 +355,7 @@ def _joint(members: list[tuple[str, nn.Linear, _Quantized]]) -> Joint:
         bias = biases[0]  # (the linear's own Parameter)
     else:
         bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=biases[0].requires_grad)
-    return Joint(weight, torch.cat([x.scale for x in q]), colsum, bias)
+    return Joint(weight, torch.cat([x.scale for x in q]), colsum, bias, q[0].input_scale)
 
 
 ROOT = "(the model itself)"
@@ -279,6 +380,8 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
         elif isinstance(m, saved.Stored):
             found = _stored(m)
             found_in[m] = (_changed_behaviour(m) or found) if isinstance(found, _Quantized) else found
+        elif _transformers_fp8(m) is not None:  # (an MoE's experts: a reason)
+            found_in[m] = _transformers_fp8(m)
     compressed = [m for m in found_in if _ct_scheme(m) is not None]
     if compressed:
         _undo_compressed_tensors(model, [m for m in compressed if isinstance(found_in[m], str)])
@@ -307,7 +410,8 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
             elif found is not None and child not in converted and child not in queued:
                 queued.add(child)
                 bias = child.bias
-                alone = not join or held[child] > 1
+                # (a static activation scale is the linear's own: no sibling shares its quantized input)
+                alone = not join or held[child] > 1 or found.act.kind == "fp8-static"
                 key = (found.act, found.weight.shape[1], found.weight.device,
                        None if bias is None else (bias.dtype, bias.requires_grad), name if alone else None)
                 groups[key].append((name, child, found))

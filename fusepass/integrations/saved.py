@@ -2,9 +2,12 @@
 
 The format (``quant_method: "fusepass"`` in the checkpoint's ``config.json``): each converted
 linear's own tensors under its own names, as ``W8A8Linear``'s state dict holds them (``weight``
-int8 / fp8 (N, K), ``weight_scale`` fp32 (N,) or one per 128x128 block, ``bias``), and
-``quantization_config.schemes``: each activation recipe (``Act``: kind, divisor, floor) with
-the paths of the linears that use it. Nothing is re-quantized or rounded: the values and scales
+int8 / fp8 (N, K), ``weight_scale`` fp32 (N,) or one per 128x128 block, ``bias``,
+``input_scale`` for a static activation scale), and ``quantization_config.schemes``: each
+activation recipe (``Act``: kind, divisor, floor, and an amax ceiling where it has one) with
+the paths of the linears that use it. Version 2 is version 1 with a ceiling or a static
+activation scale, written only where a scheme has one (a fusepass that reads only version 1
+refuses what it would misread). Nothing is re-quantized or rounded: the values and scales
 load bit for bit, and ``prepare`` joins the siblings again.
 
 ``prepare`` writes that config into a transformers model's ``config`` where it converted every
@@ -31,7 +34,8 @@ from .linear import BLOCK, Act, W8A8Linear
 log = logging.getLogger("fusepass.prepare")
 
 QUANT_METHOD = "fusepass"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)  # (what this fusepass reads)
 _TRANSFORMERS_REGISTRY = "transformers.quantizers"  # (its __init__ imports the registry, auto.py)
 
 
@@ -49,6 +53,8 @@ class Stored(nn.Module):
                                    requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(scale, dtype=torch.float32, device=device), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(torch.empty_like(bias, device=device))
+        self.input_scale = (nn.Parameter(torch.empty((), dtype=torch.float32, device=device), requires_grad=False)
+                            if act.kind == "fp8-static" else None)
 
     def forward(self, x):
         raise RuntimeError("fusepass: a stored W8A8 linear runs once fusepass.prepare(model) has converted it "
@@ -61,18 +67,21 @@ def describe(model: nn.Module) -> dict:
     for path, m in model.named_modules(remove_duplicate=False):
         if isinstance(m, W8A8Linear):
             schemes.setdefault(m.act, []).append(path)
-    return {"quant_method": QUANT_METHOD, "version": VERSION,
-            "schemes": [{"kind": act.kind, "divisor": act.divisor, "floor": act.floor, "modules": paths}
+    new = any(act.ceiling is not None or act.kind == "fp8-static" for act in schemes)
+    return {"quant_method": QUANT_METHOD, "version": VERSION if new else 1,
+            "schemes": [{"kind": act.kind, "divisor": act.divisor, "floor": act.floor,
+                         **({"ceiling": act.ceiling} if act.ceiling is not None else {}), "modules": paths}
                         for act, paths in schemes.items()]}
 
 
 def stored_schemes(config: dict) -> dict[str, Act]:
     """Module path -> Act, from a ``quantization_config`` of this format (checked)."""
     version = config.get("version")
-    if version != VERSION:
-        raise ValueError(f"fusepass: a checkpoint of format version {version!r}; this fusepass reads version "
-                         f"{VERSION}")
-    return {path: Act(s["kind"], float(s["divisor"]), float(s["floor"]))
+    if version not in VERSIONS:
+        raise ValueError(f"fusepass: a checkpoint of format version {version!r}; this fusepass reads versions "
+                         f"{', '.join(map(str, VERSIONS))}")
+    return {path: Act(s["kind"], float(s["divisor"]), float(s["floor"]),
+                      None if s.get("ceiling") is None else float(s["ceiling"]))
             for s in config.get("schemes", []) for path in s["modules"]}
 
 

@@ -1,7 +1,7 @@
 """Triton kernels behind the fusepass ops, their launcher and configurations."""
 
 from .blockwise import blockwise_mm_kernel
-from .gemv import scaled_gemv_kernel
+from .gemv import blockwise_gemv_kernel, scaled_gemv_kernel
 from .group import scaled_mm_group_kernel
 from .launch import launch_scaled_mm
 from .persistent import scaled_mm_persistent_kernel
@@ -9,6 +9,6 @@ from .scaled_mm import scaled_mm_kernel
 
 # Every Triton kernel the ops launch (what Inductor compiles where the pass lowers them).
 KERNELS = (scaled_mm_kernel, scaled_mm_persistent_kernel, scaled_gemv_kernel, blockwise_mm_kernel,
-           scaled_mm_group_kernel)
+           blockwise_gemv_kernel, scaled_mm_group_kernel)
 
 __all__ = ["KERNELS", "launch_scaled_mm", "scaled_mm_kernel"]

@@ -8,6 +8,10 @@ The config table was tuned on an H200: one tile config per M
 bucket, and a split-K that fills the GPU: decode at a small N has too few N tiles to keep
 every SM reading (M = 16, N = 576, K = 7168: 33.4 us unsplit, 10.2 us in 8 splits).
 
+At M = 1 with ``b = w.t()``, where its programs fill the GPU, the M = 1 kernel
+(``gemv.blockwise_gemv_kernel``, ``gemv_blocks``) runs instead of the tiles: no split K, so no
+ticket buffer to zero (a memset launch each call inside CUDA graphs).
+
 Above ``CUBLAS_ABOVE_M`` rows on an sm90 GPU, where the operands are laid out as cuBLAS
 takes them and M is a multiple of 4, the product runs as cuBLAS's block-wise
 ``torch._scaled_mm`` instead (``uses_cublas``, ``CublasChoice``). The Triton kernel, which
@@ -24,10 +28,11 @@ import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .blockwise import BLOCK, blockwise_mm_kernel
-from .configs import Config, cdiv, decode_unsplit, fit, merge_buckets, sm_count
+from .configs import Config, cdiv, decode_unsplit, fit, gemv_config, gemv_fills, merge_buckets, sm_count
 from .direct import launcher, record
+from .gemv import blockwise_gemv_kernel
 from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, choices_then, cond_choice, cublas_layout,
-                     decode_splits, new_output, on_device, run_cublas, split_k_buffers)
+                     decode_splits, gemv_allowed, new_output, on_device, run_cublas, split_k_buffers)
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -84,9 +89,23 @@ def _fitted(row: tuple, N: int, K: int, sms: int, split_decode: bool = True) -> 
     return decode_unsplit(replace(cfg, split_k=split), top, split_decode)
 
 
+def gemv_blocks(N: int, K: int, device) -> Config:
+    """The M = 1 kernel's config (``gemv.blockwise_gemv_kernel``): the per-row kernel's rows and
+    bytes a program (``configs.gemv_config``: its rows divide 128, so a program's rows share one
+    N block), the block at least one 128-wide group."""
+    cfg = gemv_config(N, K, sm_count(device), torch.float8_e4m3fn)
+    return replace(cfg, block_k=max(cfg.block_k, BLOCK))
+
+
 def check_config(cfg: Config) -> None:
     """The kernel's constraints on a config: BLOCK_K a power of two dividing 128 (a scale group is
-    a whole number of dots) and >= 32 (tl.dot of 8-bit inputs), BLOCK_M/N >= 16, no TMA."""
+    a whole number of dots) and >= 32 (tl.dot of 8-bit inputs), BLOCK_M/N >= 16, no TMA; an M = 1
+    config (``gemv``): BLOCK_K a multiple of 128, BLOCK_N dividing it."""
+    if cfg.gemv:
+        if cfg.block_k % BLOCK or BLOCK % cfg.block_n or cfg.split_k != 1:
+            raise ValueError(f"block-wise M = 1 config: block_k a multiple of 128, block_n dividing 128 and no "
+                             f"split; got {cfg.block_k}, {cfg.block_n}, split_k {cfg.split_k}")
+        return
     if cfg.block_k not in (32, 64, 128):
         raise ValueError(f"block-wise config: block_k must divide the 128-wide scale groups and be >= 32 "
                          f"(32, 64 or 128); got {cfg.block_k}")
@@ -168,6 +187,8 @@ def _run(cfg: Config | CublasChoice, out_dtype: torch.dtype, a, b, scale_a, scal
     fake = _traced(a)
     if INTERPRETED and fake:
         return out
+    if cfg.gemv:
+        return _run_gemv(cfg, out, fake, a, b, scale_a, scale_b, bias)
     grid = (cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n), cfg.split_k)
     partial, tickets = split_k_buffers(cfg.split_k, grid[0], M, N, torch.float32, a.device, fake)
     args = (
@@ -197,6 +218,43 @@ def _run(cfg: Config | CublasChoice, out_dtype: torch.dtype, a, b, scale_a, scal
     return out
 
 
+def _run_gemv(cfg: Config, out, fake: bool, a, b, scale_a, scale_b, bias=None, floor: float | None = None):
+    """Launch the M = 1 kernel into ``out`` (``a`` one row, ``b`` contiguous along K); given
+    ``floor``, ``a`` is a float row that the kernel quantizes per group (``scale_a`` None)."""
+    N, K = b.shape[1], a.shape[1]
+    grid = (cdiv(N, cfg.block_n),)
+    args = (a, b, out, scale_a, scale_b, bias, N, K, a.stride(1), b.stride(1), out.stride(1),
+            0 if scale_a is None else scale_a.stride(1), scale_b.stride(0), scale_b.stride(1))
+    entry = launcher(blockwise_gemv_kernel, fake)[grid](
+        *args, HAS_BIAS=bias is not None, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        EVEN_K=statically_known_true(K % cfg.block_k == 0), GROUP_K=BLOCK,
+        QUANT=floor is not None, FLOOR=0.0 if floor is None else float(floor),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if not fake:
+        record(entry, grid, args, out, None)
+    return out
+
+
+def gemv_quantizes_groups(x: torch.Tensor, b: torch.Tensor) -> bool:
+    """Where ``launch_gemv_quantized_groups`` runs: an e4m3 ``b = w.t()``, one row of ``x``, and
+    programs that fill the GPU (the unquantized M = 1 kernel's rule)."""
+    return b.dtype == torch.float8_e4m3fn and gemv_allowed(x, b) and gemv_fills(int(b.shape[1]), x.device)
+
+
+def launch_gemv_quantized_groups(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype,
+                                 bias: torch.Tensor | None, floor: float) -> torch.Tensor:
+    """``x`` (1, K), a float row, quantized per 128-wide group inside the M = 1 kernel
+    (``gemv.blockwise_gemv_kernel``'s QUANT), times ``b`` with its 128x128 block scales; inputs
+    validated and ``gemv_quantizes_groups``; eager, interpreted and traced alike."""
+    fake = _traced(x)
+    bias = _flat(bias, fake)
+    out = new_output(x, b, out_dtype)
+    if INTERPRETED and fake:
+        return out
+    cfg = gemv_blocks(int(b.shape[1]), int(x.shape[1]), x.device)
+    return on_device(x, fake, lambda: _run_gemv(cfg, out, fake, x, b, None, scale_b, bias, floor))
+
+
 def launch_scaled_mm_blockwise(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -222,8 +280,16 @@ def launch_scaled_mm_blockwise(
                   and uses_cublas(a, b, scale_a, scale_b, out_dtype, bias))
     if config is not None:
         check_config(config)
+        if config.gemv and not gemv_allowed(a, b):
+            raise ValueError(f"block-wise M = 1 config for a {tuple(a.shape)} a and a b of strides {b.stride()}: it "
+                             "takes one row and b = w.t() (contiguous along K)")
     elif all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        config = select_config(int(M), int(N), int(K), a.device, decode_splits(fake, symbolic_m=False))
+        # M = 1 with b = w.t(): the CUDA-core kernel where its programs fill the GPU, as the
+        # per-row op's (launch.launch_scaled_mm)
+        if gemv_allowed(a, b) and gemv_fills(int(N), a.device):
+            config = gemv_blocks(int(N), int(K), a.device)
+        else:
+            config = select_config(int(M), int(N), int(K), a.device, decode_splits(fake, symbolic_m=False))
         if use_cublas:
             config = CublasChoice(((None, config),))
     tensors = (a, b, scale_a, scale_b) + ((bias,) if bias is not None else ())

@@ -228,3 +228,67 @@ def scaled_gemv_kernel(
             SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,
         )
     tl.store(out_ptr + cols[None, :] * stride_on, x.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
+
+
+@triton.jit
+def blockwise_gemv_kernel(
+    # Operands
+    a_ptr, b_ptr, out_ptr,  # (1, K) e4m3, (K, N) e4m3 with unit stride along K, (1, N)
+    scale_a_ptr, scale_b_ptr,  # (1, ceil(K/128)), (ceil(K/128), ceil(N/128)); fp32
+    bias_ptr,  # (N,); None when unused
+    # Sizes and strides
+    N, K,
+    stride_ak, stride_bn, stride_on,
+    stride_sag,  # scale_a: per K group
+    stride_sbg, stride_sbn,  # scale_b: per K group, per N block
+    HAS_BIAS: tl.constexpr,
+    # Tiling: BLOCK_N divides 128 (a program's rows share their scales), BLOCK_K a multiple of 128
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask on the loads
+    GROUP_K: tl.constexpr,  # 128
+    QUANT: tl.constexpr = False,  # a is a float row, quantized here per group (scale_a_ptr None)
+    FLOOR: tl.constexpr = 0.0,  # QUANT's recipe: a group's scale max(amax, FLOOR) / 448
+):
+    """The block-wise product (``blockwise.py``'s) of one row, on CUDA cores: ``gemv_rows``' reads
+    (BLOCK_N rows of b.T, BLOCK_K bytes at a time), each block's products summed per 128-wide
+    group (exact in fp32, as the tile kernel's dots), scaled by the group's
+    ``scale_a * scale_b`` and added to the fp32 accumulator; then the bias and the cast. No
+    split K, so no partial buffer or ticket to zero before the launch.
+
+    QUANT: ``a`` is the float row, and each block's groups are quantized where they are read
+    (``ops/blockwise.py``'s ``scaled_mm_blockwise_dynamic``): a group's scale is its own amax
+    (floored) / 448, so, unlike a per-token scale, it needs no read of the row beforehand. A
+    group holding a NaN or an infinity gets a NaN scale (its outputs NaN, as eager's)."""
+    pid_n = tl.program_id(0)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    offs_n = tl.where(cols < N, cols, 0).to(tl.int64)  # ragged N: row 0 again, masked at the store
+    row_starts = b_ptr + offs_n * stride_bn  # (BLOCK_N,)
+    nb = (pid_n * BLOCK_N) // GROUP_K  # the N block of every row of this program
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_K
+    groups = tl.arange(0, GROUPS)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for kb in range(tl.cdiv(K, BLOCK_K)):
+        offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
+        if EVEN_K:
+            w = tl.load(row_starts[:, None] + offs_k[None, :])  # (BLOCK_N, BLOCK_K)
+        else:
+            # other=0.0: the interpreter needs a float fill for fp8.
+            w = tl.load(row_starts[:, None] + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
+        x = _load(a_ptr + offs_k.to(tl.int64) * stride_ak, offs_k < K, EVEN_K).to(tl.float32)
+        g = kb * GROUPS + groups  # (GROUPS,): past the last group (ragged K) scaled by 0
+        in_k = g * GROUP_K < K
+        if QUANT:
+            xg = tl.reshape(x, (GROUPS, GROUP_K))
+            bad = tl.sum(((xg != xg) | (tl.abs(xg) == float("inf"))).to(tl.int32), axis=1) > 0
+            sa = tl.div_rn(tl.maximum(tl.max(tl.abs(xg), axis=1), FLOOR), 448.0)  # (GROUPS,)
+            sa = tl.where(bad, float("nan"), sa)
+            x = tl.reshape(_e4m3(tl.clamp(tl.div_rn(xg, sa[:, None]), -448.0, 448.0)), (BLOCK_K,))
+        else:
+            sa = tl.load(scale_a_ptr + g * stride_sag, mask=in_k, other=0.0)
+        prod = w.to(tl.float32) * x[None, :]  # (BLOCK_N, BLOCK_K), each product exact
+        part = tl.sum(tl.reshape(prod, (BLOCK_N, GROUPS, GROUP_K)), axis=2)  # (BLOCK_N, GROUPS)
+        sb = tl.load(scale_b_ptr + g * stride_sbg + nb * stride_sbn, mask=in_k, other=0.0)
+        acc += tl.sum(part * (sa * sb)[None, :], axis=1)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n).to(tl.float32)
+    tl.store(out_ptr + cols * stride_on, acc.to(out_ptr.dtype.element_ty), mask=cols < N)

@@ -1,9 +1,10 @@
 """The ``torch.ops.fusepass.*`` custom ops; importing this package registers them."""
 
 from .scaled_mm import int_mm, scaled_mm, scaled_mm_azp
-from .blockwise import scaled_mm_blockwise  # (after scaled_mm: it adds its op to IMPLS)
+from .blockwise import scaled_mm_blockwise, scaled_mm_blockwise_dynamic  # (after scaled_mm: it adds its ops to IMPLS)
 from .group import scaled_mm_group  # (likewise)
 from .dynamic import scaled_mm_dynamic  # (likewise)
 from . import sharding  # noqa: F401  (after the ops exist) registers their DTensor sharding rules
 
-__all__ = ["int_mm", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise", "scaled_mm_dynamic", "scaled_mm_group"]
+__all__ = ["int_mm", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise", "scaled_mm_blockwise_dynamic", "scaled_mm_dynamic",
+           "scaled_mm_group"]

@@ -61,13 +61,14 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..kernels.blockwise_launch import launch_scaled_mm_blockwise
+from ..kernels.blockwise_launch import gemv_quantizes_groups, launch_gemv_quantized_groups, launch_scaled_mm_blockwise
 from . import eager, reference
-from .checks import check_out_dtype, check_scaled_mm_blockwise_args
+from .checks import BLOCK, check_blockwise_dynamic_args, check_out_dtype, check_scaled_mm_blockwise_args
 from .scaled_mm import register, _plain_eager
 
 Tensor = torch.Tensor
 OP = "fusepass.scaled_mm_blockwise"
+OP_DYNAMIC = "fusepass.scaled_mm_blockwise_dynamic"
 
 
 def scaled_mm_blockwise_impl(
@@ -102,3 +103,66 @@ def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
         return eager.call(scaled_mm_blockwise_impl, a, b, scale_a, scale_b, out_dtype, bias)
     check_out_dtype(OP, out_dtype)  # (the dispatcher's own error is less clear)
     return torch.ops.fusepass.scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)
+
+
+# --- fusepass::scaled_mm_blockwise_dynamic ---------------------------------------------------
+#
+# A float activation quantized per 1x128 group, then ``scaled_mm_blockwise``, as one op:
+#
+#     q, scale_a = quantize_groups(x, floor)   # scale = max(amax of the group, floor) / 448,
+#                                              # q = clamp(x / scale, -448, 448) in e4m3
+#     out = scaled_mm_blockwise(q, b, scale_a, scale_b, out_dtype, bias)
+#
+# ``x`` [M, K] bfloat16, float16 or float32 with K whole 128-wide groups; ``b``, ``scale_b``,
+# ``out_dtype`` and ``bias`` as ``scaled_mm_blockwise``'s; ``floor`` > 0 (what ``fusepass.
+# prepare``'s fp8-block linears and compressed-tensors' FP8_BLOCK quantize with). Why an op: at
+# M = 1 on CUDA with ``b = w.t()`` the M = 1 kernel quantizes each group as it reads it
+# (``gemv.blockwise_gemv_kernel``'s QUANT), so no quantization kernel runs before it, and the
+# RMSNorm before q/k/v and gate/up stays one kernel (its row reduction and the groups' amax
+# are reductions of two shapes, which Inductor makes two kernels). Its divisions are IEEE fp32
+# ones and its rounding e4m3's nearest even (``ops/dynamic.py`` says what that can change
+# against eager CUDA's). Elsewhere, the ATen ops of ``quantize_groups`` and the block-wise op.
+# The pass makes these calls (``passes/quantize_in.py``).
+
+
+def quantize_groups(x: Tensor, floor: float) -> tuple[Tensor, Tensor]:
+    """``x`` (M, K) quantized per 1x128 group to e4m3: (q (M, K), scale (M, K / 128) fp32), in
+    fp32 whatever ``x``'s dtype: ``integrations/linear.quantize_rows``'s fp8-block recipe."""
+    groups = x.float().unflatten(-1, (-1, BLOCK))
+    scale = groups.abs().amax(dim=-1).clamp(min=floor) / 448.0
+    q = (groups / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return q.flatten(-2), scale
+
+
+def scaled_mm_blockwise_dynamic_impl(
+    x: Tensor,
+    b: Tensor,
+    scale_b: Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[Tensor] = None,
+    floor: float = torch.finfo(torch.float32).eps,
+) -> Tensor:
+    check_blockwise_dynamic_args(OP_DYNAMIC, x, b, scale_b, out_dtype, bias, floor)
+    if x.device.type == "cuda" and gemv_quantizes_groups(x, b):
+        return launch_gemv_quantized_groups(x, b, scale_b, out_dtype, bias, floor)
+    q, scale_a = quantize_groups(x, floor)
+    return scaled_mm_blockwise_impl(q, b, scale_a, scale_b, out_dtype, bias)
+
+
+register("scaled_mm_blockwise_dynamic", scaled_mm_blockwise_dynamic_impl)
+
+
+@torch.library.register_fake("fusepass::scaled_mm_blockwise_dynamic")
+def _scaled_mm_blockwise_dynamic_fake(x, b, scale_b, out_dtype, bias=None, floor=torch.finfo(torch.float32).eps):
+    check_blockwise_dynamic_args(OP_DYNAMIC, x, b, scale_b, out_dtype, bias, floor)
+    return x.new_empty((x.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def scaled_mm_blockwise_dynamic(x, b, scale_b, out_dtype, bias=None, floor=torch.finfo(torch.float32).eps) -> Tensor:
+    """``x`` (float [M, K]) quantized per 1x128 group to e4m3 (scale ``max(amax, floor) / 448``),
+    then ``scaled_mm_blockwise``: see the comment above. Same as
+    ``torch.ops.fusepass.scaled_mm_blockwise_dynamic``."""
+    if _plain_eager(x, b, scale_b, bias):
+        return eager.call(scaled_mm_blockwise_dynamic_impl, x, b, scale_b, out_dtype, bias, floor)
+    check_out_dtype(OP_DYNAMIC, out_dtype)
+    return torch.ops.fusepass.scaled_mm_blockwise_dynamic(x, b, scale_b, out_dtype, bias, floor)

@@ -255,6 +255,26 @@ def _check_block_scale_b(op: str, t, K, N) -> None:
     )
 
 
+def check_blockwise_dynamic_args(op: str, x, b, scale_b, out_dtype, bias, floor) -> None:
+    """Validate the arguments of ``scaled_mm_blockwise_dynamic``: ``x`` a float [M, K] with K
+    whole 128-wide groups, the rest as ``scaled_mm_blockwise``'s, ``floor`` > 0."""
+    _check_tensor(op, "x", x, (torch.bfloat16, torch.float16, torch.float32))
+    _check_tensor(op, "b", b, (torch.float8_e4m3fn,))
+    if x.dim() != 2 or b.dim() != 2 or b.shape[0] != x.shape[1]:
+        raise ValueError(f"{op}: `x` must be [M, K] and `b` [K, N]; got x {_describe(x)}, b {_describe(b)}")
+    K, N = b.shape
+    if K % BLOCK:
+        raise ValueError(f"{op}: K must be whole 128-wide groups (the activation's scales are per group); got K = {K}")
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0:
+        raise ValueError(f"{op}: `floor` must be a number > 0 (a group of zeros would divide 0 by 0); got {floor!r}")
+    check_out_dtype(op, out_dtype)
+    _check_block_scale_b(op, scale_b, K, N)
+    tensors = {"x": x, "b": b, "scale_b": scale_b}
+    _check_bias(op, bias, N, tensors)
+    _check_devices(op, tensors)
+    check_gpu(op, x.device, b.dtype)
+
+
 def check_scaled_mm_blockwise_args(op: str, a, b, scale_a, scale_b, out_dtype, bias) -> None:
     """Validate the arguments of ``scaled_mm_blockwise`` (float8_e4m3fn only)."""
     M, K, N = _check_operands(op, a, b, (torch.float8_e4m3fn,))

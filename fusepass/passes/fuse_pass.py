@@ -26,7 +26,7 @@ from .graph import Rejected, aten, location, module_path
 from .group import NAME as GROUPED, group_siblings
 from .join import NAME as JOINED, join_siblings
 from .lower import lower
-from .quantize_in import NAME as QUANTIZED_IN, quantize_in_gemv
+from .quantize_in import GROUPS_NAME as QUANTIZED_GROUPS_IN, NAME as QUANTIZED_IN, quantize_groups_in_gemv, quantize_in_gemv
 from .patterns import PATTERNS
 from .rewrite import emit
 from .route import ROUTED, needs_route, route
@@ -63,9 +63,9 @@ class PassConfig:
     # Compiled decode launches split K only inside Inductor's CUDA graphs (fusepass.kernels.
     # launch.decode_splits): outside them each split costs a launch. True where the caller
     # captures the compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor
-    # cannot see; it also turns quantize_in_gemv's default off. (The backend applies it to op
-    # calls AOTAutograd traces too; stock Inductor with inductor_options() to the calls the
-    # pass makes.)
+    # cannot see; it also turns quantize_in_gemv's and quantize_groups_in_gemv's defaults off.
+    # (The backend applies it to op calls AOTAutograd traces too; stock Inductor with
+    # inductor_options() to the calls the pass makes.)
     split_k_outside_cuda_graphs: bool = False
     # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v) at a static M up to this
     # run as one scaled_mm_group launch (passes/group.py), split as their joined weight would
@@ -87,6 +87,13 @@ class PassConfig:
     # program reads the row twice more) o_proj's alone went 1.46x -> 1.44x, both 1.46x -> 1.20x
     # (4 rows a gated program, before gemv_gated_config's 16).
     quantize_in_gemv: bool | None = None
+    # At M = 1, an fp8-block (1x128 group) activation quantized inside the M = 1 kernel
+    # (passes/quantize_in.py, quantize_groups_in_gemv). None: as quantize_in_gemv, where the
+    # launches run outside CUDA graphs. In CUDA graphs it cost more GEMM time than the kernels
+    # it saved: 32 Llama-3-8B layers, b1, H100, 1.42x bf16 without it (646 kernels), 1.36x with
+    # (518; GEMMs 2.92 -> 3.30 ms: each program quantizes the whole row); benchmarks/NOTES.md
+    # run 35.
+    quantize_groups_in_gemv: bool | None = None
     # Fused calls whose operands are copies of one value (each hand-written linear quantizing
     # the same input itself) read the earliest copy (passes/share.py); False keeps the copies.
     share_activations: bool = True
@@ -165,13 +172,18 @@ class FusePass(CustomGraphPass):
         changed = joined or any(d.fused or d.rerouted for d in decisions)
         if changed:
             graph.eliminate_dead_code()  # (the rewritten matmuls' old forms: users of the quantized rows)
+        outside_graphs = not (self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False))
         quantize_in = self.config.quantize_in_gemv
-        if quantize_in is None:  # where the launches run outside CUDA graphs
-            quantize_in = not (self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False))
-        quantized = quantize_in and quantize_in_gemv(graph)
+        quantized = (outside_graphs if quantize_in is None else quantize_in) and quantize_in_gemv(graph)
         for name in quantized or ():
             count(QUANTIZED_IN)
             log.debug("fusepass: %s quantizes its activation in its own launch", name)
+        quantize_groups = self.config.quantize_groups_in_gemv
+        groups = (outside_graphs if quantize_groups is None else quantize_groups) and quantize_groups_in_gemv(graph)
+        for name in groups or ():
+            count(QUANTIZED_GROUPS_IN)
+            log.debug("fusepass: %s quantizes its activation's 128-wide groups in its own launch", name)
+        quantized = (quantized or []) + (groups or [])
         # Last, so that an in-launch quantization (one user a row) still finds its row: the
         # copies of one quantization that no join, group or launch took
         shared = self.config.share_activations and share_activations(graph)

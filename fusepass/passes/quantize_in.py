@@ -177,14 +177,21 @@ def _from_multi_output(x) -> bool:
     return is_call(x, operator.getitem)
 
 
+def _m1_calls(graph: fx.Graph, target):
+    """(node, its arguments) of each ``target`` call at a static M = 1 with ``b`` stored as
+    ``w.t()`` whose ``a`` has no other user: the calls whose row an M = 1 launch can quantize."""
+    for node in list(graph.find_nodes(op="call_function", target=target)):
+        args = schema_args(node)
+        a, b = args[0], args[1]
+        if (statically_known_true(tensor_val(a).shape[0] == 1) and statically_known_true(tensor_val(b).stride(0) == 1)
+                and len(a.users) == 1):
+            yield node, args
+
+
 def quantize_in_gemv(graph: fx.Graph) -> list[str]:
     """Rewrite each matching call (module docstring); returns the names of those replaced."""
     done = []
-    for node in list(graph.find_nodes(op="call_function", target=fusepass.scaled_mm.default)):
-        a, b, scale_a, scale_b, out_dtype, bias = schema_args(node)
-        if not (statically_known_true(tensor_val(a).shape[0] == 1) and statically_known_true(tensor_val(b).stride(0) == 1)
-                and len(a.users) == 1):
-            continue
+    for node, (a, b, scale_a, scale_b, out_dtype, bias) in _m1_calls(graph, fusepass.scaled_mm.default):
         found = _quantization(a)
         if found is None or peel_views(scale_a) is not found[1]:
             continue
@@ -202,6 +209,73 @@ def quantize_in_gemv(graph: fx.Graph) -> list[str]:
         if floor_first != floors_first(tensor_val(a).dtype):  # (not the dtype's own recipe)
             args += [None] * (8 - len(args)) + [floor_first]
         new = ins.call(fusepass.scaled_mm_dynamic.default, *args)
+        new.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        done.append(node.name)
+    return done
+
+
+# --- fp8-block rows: quantized_groups_in_gemv -------------------------------------------------
+#
+# Matches: a ``fusepass.scaled_mm_blockwise`` call at a static M = 1, ``b`` stored as ``w.t()``,
+# whose ``a`` and ``scale_a`` are the 1x128-group quantization of a float row ``x`` and used by
+# nothing else, in the ATen forms ``fusepass.prepare``'s fp8-block linears trace
+# (``ops.blockwise.quantize_groups``): ``xg`` = ``x`` cast to fp32 viewed as [1, K / 128, 128],
+# ``s = clamp_min(amax(abs(xg), -1), F) / 448``, ``a`` = (through views)
+# ``clamp_max(clamp_min(xg / s.unsqueeze(-1), -448), 448).to(float8_e4m3fn)``, ``scale_a`` a
+# view of ``s``; F > 0. Becomes ``fusepass.scaled_mm_blockwise_dynamic(x, b, scale_b,
+# out_dtype, bias, F)``, whose M = 1 kernel quantizes each group as it reads it: the
+# quantization was a kernel of its own, one a linear a layer (the RMSNorm before q/k/v and
+# gate/up and the groups' amax are reductions of two shapes, which Inductor makes two kernels).
+# A group's scale needs no read of the row beforehand, but each program still quantizes the
+# whole row for its 8 rows of weight: in CUDA graphs, where a launch costs nothing, that
+# costs more than it saves, so by default only where launches run outside them
+# (``PassConfig.quantize_groups_in_gemv``: the numbers there).
+GROUPS_NAME = "quantized_groups_in_gemv"
+
+
+def _group_quantization(a, scale_a):
+    """(x, F) where ``a`` and ``scale_a`` are the group quantization above, else None."""
+    q = peel_views(a)
+    if cast_dtype(q) != torch.float8_e4m3fn:
+        return None
+    v = _one_arg(_one_arg(q.args[0], aten.clamp_max.default, 448.0), aten.clamp_min.default, -448.0)
+    if not (is_call(v, aten.div.Tensor) and is_call(v.args[1], aten.unsqueeze.default)
+            and list(v.args[1].args[1:]) in ([-1], [2])):
+        return None
+    xg, s = v.args[0], v.args[1].args[0]
+    if peel_views(scale_a) is not s or not is_call(s, aten.div.Tensor) or s.args[1] != 448.0:
+        return None
+    floor_node = s.args[0]
+    if not (is_call(floor_node, aten.clamp_min.default) and isinstance(floor_node.args[1], (int, float))
+            and floor_node.args[1] > 0):
+        return None
+    amax = floor_node.args[0]
+    if not (is_call(amax, aten.amax.default) and list(amax.args[1:]) in ([[-1]], [[2]], [[-1], False], [[2], False])
+            and is_call(amax.args[0], aten.abs.default) and amax.args[0].args[0] is xg):
+        return None
+    shape = tensor_val(xg).shape
+    if not (is_call(xg, *VIEW_OPS) and len(shape) == 3 and statically_known_true(shape[2] == 128)):
+        return None
+    xf = xg.args[0]
+    x = xf.args[0] if cast_dtype(xf) == torch.float32 else xf
+    if tensor_val(x).dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return None
+    return x, float(floor_node.args[1])
+
+
+def quantize_groups_in_gemv(graph: fx.Graph) -> list[str]:
+    """Rewrite each matching call (the comment above); returns the names of those replaced."""
+    done = []
+    for node, (a, b, scale_a, scale_b, out_dtype, bias) in _m1_calls(graph, fusepass.scaled_mm_blockwise.default):
+        found = _group_quantization(a, scale_a)
+        if found is None:
+            continue
+        x, floor = found
+        ins = Inserter(graph, node)
+        row = x if len(tensor_val(x).shape) == 2 else ins.call(aten.reshape.default, x, [1, tensor_val(a).shape[1]])
+        new = ins.call(fusepass.scaled_mm_blockwise_dynamic.default, row, b, scale_b, out_dtype, bias, floor)
         new.meta["stack_trace"] = node.meta.get("stack_trace")
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -59,6 +59,33 @@ def test_kernel_split_k(split_k, out_dtype):
     _check(launch_scaled_mm_blockwise(*p.args(out_dtype), config=Config(16, 64, 128, split_k=split_k)), p, out_dtype)
 
 
+# M = 1 (decode at batch 1), b = w.t() as a weight is stored: the CUDA-core kernel, any block
+# a multiple of 128 wide: K ragged inside a block (the last group 44 wide) with N ragged over two
+# N blocks, K over two blocks whose second is short a group, and whole blocks (EVEN_K).
+@pytest.mark.parametrize("N,K,cfg,bias", [
+    (200, 300, Config(1, 8, 256, gemv=True), torch.bfloat16),
+    (136, 384, Config(1, 4, 256, gemv=True), None),
+    (256, 1024, Config(1, 8, 512, gemv=True), torch.float32),
+], ids=["ragged", "short-block", "even"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_m1_kernel(N, K, cfg, bias, out_dtype):
+    p = make_block_problem(1, N, K, bias_dtype=bias, device=DEVICE, seed=N)
+    _check(launch_scaled_mm_blockwise(*p.args(out_dtype), config=cfg), p, out_dtype)
+
+
+def test_m1_kernel_is_the_default_where_it_fills_the_gpu(monkeypatch):
+    """At M = 1 with b = w.t(), where its programs fill the GPU (as the per-row op's), the
+    launcher takes the M = 1 kernel's config, no split; another layout takes the tiles."""
+    seen = []
+    monkeypatch.setattr(bl, "_run_gemv", lambda cfg, out, *args: seen.append(cfg) or out)
+    p = make_block_problem(1, 4096, 256, device=DEVICE)
+    launch_scaled_mm_blockwise(*p.args(torch.bfloat16))
+    assert seen and seen[0].gemv and seen[0].split_k == 1 and seen[0].block_k % 128 == 0
+    seen.clear()
+    launch_scaled_mm_blockwise(p.a, p.b.contiguous(), p.scale_a, p.scale_b, torch.bfloat16)  # (b row-major)
+    assert not seen
+
+
 def test_kernel_any_strides():
     """M-major scale_a (cuBLAS), a transposed scale_b view (vLLM), a strided a, a row-major b."""
     p = make_block_problem(9, 140, 200, m_major=True, device=DEVICE, seed=5)
@@ -137,10 +164,13 @@ def test_bucket_choices_merge_equal_configs(monkeypatch):
     (Config(8, 32, 128), "block_m and block_n must be >= 16; got 8, 32"),
     (Config(16, 32, 128, split_k=0), "split_k must be >= 1; got 0"),
     (Config(16, 32, 128, tma=True), "the kernel has no TMA path; got tma=True"),
+    (Config(1, 8, 192, gemv=True), "M = 1 config: block_k a multiple of 128, block_n dividing 128 and no split; "
+                                   "got 192, 8, split_k 1"),
+    (Config(1, 48, 256, gemv=True), "got 256, 48"),
 ])
 def test_bad_configs_are_refused(cfg, message):
     p = make_block_problem(2, 24, 40, device=DEVICE)
-    with pytest.raises(ValueError, match="^block-wise config: .*" + message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ValueError, match="^block-wise .*" + message.replace("(", r"\(").replace(")", r"\)")):
         launch_scaled_mm_blockwise(*p.args(torch.float32), config=cfg)
 
 
@@ -246,3 +276,30 @@ def test_outer_major_scales():
     row_major = s.contiguous()
     copy = bl._outer_major(row_major)
     assert copy.stride() == (1, 300) and torch.equal(copy, row_major)
+
+
+@pytest.mark.parametrize("N,K", [(200, 384), (256, 1024)], ids=["ragged-n", "even"])
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_m1_kernel_quantizes_groups(N, K, x_dtype):
+    """QUANT: the float row quantized per 128-wide group inside the kernel (a group of zeros at
+    the floor, one 1000x larger than the rest) gives the values and scales of
+    ``ops.blockwise.quantize_groups``, then the block-wise product."""
+    from fusepass.ops.blockwise import quantize_groups
+
+    p = make_block_problem(1, N, K, bias_dtype=torch.bfloat16, device=DEVICE, seed=K)
+    g = torch.Generator().manual_seed(N)
+    x = torch.randn(1, K, generator=g)
+    x[0, :128] = 0.0
+    x[0, 128:256] *= 1000.0
+    x = x.to(x_dtype).to(DEVICE)
+    out = bl.launch_gemv_quantized_groups(x, p.b, p.scale_b, torch.float32, p.bias, 1e-6)
+    q, scale_a = quantize_groups(x, 1e-6)
+    ref = replace(p, a=q, scale_a=scale_a)
+    _check(out, ref, torch.float32)
+
+
+def test_m1_kernel_quantizing_a_nan_group_gives_nan():
+    p = make_block_problem(1, 128, 256, device=DEVICE, seed=1)
+    x = torch.randn(1, 256, device=DEVICE)
+    x[0, 200] = float("nan")
+    assert torch.isnan(bl.launch_gemv_quantized_groups(x, p.b, p.scale_b, torch.float32, None, 1e-6)).all()

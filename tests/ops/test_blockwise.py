@@ -152,3 +152,42 @@ def test_fake_impl_rejects_too(name, override, exc, message):
     fake = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     with pytest.raises(exc, match=re.escape(message.replace("device cpu", "device meta"))):
         torch.ops.fusepass.scaled_mm_blockwise(**fake)
+
+
+# --- fusepass.scaled_mm_blockwise_dynamic ----------------------------------------------------
+
+
+def _dynamic_args(M=3, N=200, K=256, device="cpu", bias=True):
+    p = make_block_problem(M, N, K, bias_dtype=BF16 if bias else None, device=device, seed=M)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(BF16).to(device)
+    return x, p.b, p.scale_b, BF16, p.bias, 1e-6
+
+
+@pytest.mark.parametrize("M", [0, 1, 3])
+def test_dynamic_is_its_quantization_then_the_op(M):
+    from fusepass.ops.blockwise import quantize_groups
+
+    x, b, scale_b, out_dtype, bias, floor = _dynamic_args(M)
+    q, scale_a = quantize_groups(x, floor)
+    expected = fusepass.scaled_mm_blockwise(q, b, scale_a, scale_b, out_dtype, bias)
+    assert torch.equal(fusepass.scaled_mm_blockwise_dynamic(x, b, scale_b, out_dtype, bias, floor), expected)
+    assert torch.equal(torch.ops.fusepass.scaled_mm_blockwise_dynamic(x, b, scale_b, out_dtype, bias, floor), expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_opcheck(device):
+    torch.library.opcheck(torch.ops.fusepass.scaled_mm_blockwise_dynamic.default, _dynamic_args(1, device=device),
+                          test_utils=UTILS)
+
+
+@pytest.mark.parametrize("change,exc,message", [
+    (lambda a: (a[0][:, :200], a[1][:200], a[2][:2]) + a[3:], ValueError, "K must be whole 128-wide groups .*K = 200"),
+    (lambda a: a[:5] + (0.0,), ValueError, r"`floor` must be a number > 0 .*got 0.0"),
+    (lambda a: (a[0].to(torch.int8),) + a[1:], TypeError, "`x`"),
+    (lambda a: a[:2] + (a[2][:1],) + a[3:], ValueError, "`scale_b` must be"),
+], ids=["ragged-k", "floor-0", "int8-x", "scale_b-one-k-block"])
+def test_dynamic_rejects(change, exc, message):
+    args = change(_dynamic_args())
+    for call in (fusepass.scaled_mm_blockwise_dynamic, torch.ops.fusepass.scaled_mm_blockwise_dynamic):
+        with pytest.raises(exc, match=message):
+            call(*args)
