@@ -50,16 +50,25 @@ def test_the_optimized_fp8_variant_is_a_checkpoint_loaded_back_by_transformers()
     assert 0 < (out - ref).abs().max() < 0.1 * ref.abs().max()
 
 
-@pytest.mark.parametrize(("variant", "kind"), [("ct-int8-asym-fusepass", "int8-asym"),
-                                               ("ct-fp8-block-fusepass", "fp8-block")])
-def test_the_other_checkpoint_schemes_are_prepared_whole(variant, kind):
+@pytest.mark.parametrize(("variant", "kind", "arch"), [("ct-int8-asym-fusepass", "int8-asym", "llama"),
+                                                       ("ct-fp8-block-fusepass", "fp8-block", "llama"),
+                                                       ("native-fp8-block-fusepass", "fp8-block", "qwen3"),
+                                                       ("fbgemm-fp8-fusepass", "fp8", "llama")])
+def test_the_other_checkpoint_schemes_are_prepared_whole(variant, kind, arch):
+    """Each variant's model (transformers' own FP8 modules for the last two) prepared whole, and
+    within fp8's error of the bf16 model (a Qwen3: --shape qwen3-8b's model)."""
     pytest.importorskip("compressed_tensors")
+    pytest.importorskip("accelerate")
     import torch
 
-    base = models.random_llama(models.Sizes(1, 256, 512, 2, 1, 256), 32, torch.device("cpu"), 0)  # 128x128 blocks
+    base = models.random_llama(models.Sizes(1, 256, 512, 2, 1, 256, arch), 32, torch.device("cpu"), 0)  # 128x128 blocks
     said = []
-    bench.build(variant, base, log=said.append)
+    model = bench.build(variant, base, log=said.append)
     assert f"7 quantized linears converted ({kind} 7), 0 left as they are" in said[-1], said
+    ids = models.prompt(base, 1, 8, seed=0)
+    with torch.no_grad():
+        ref, out = base(ids).logits.float(), model(ids).logits.float()
+    assert 0 < (out - ref).norm() < 0.2 * ref.norm()
 
 
 def test_block_wise_needs_whole_blocks_and_compressed_tensors():
@@ -331,7 +340,7 @@ def test_the_fused_gemms_time_is_fusepass_kernels_by_name():
     kernels = step + [(name, start + 40, end + 40) for name, start, end in step]
     assert bench.fused_gemm_ms(kernels, calls=2) == pytest.approx(18e-3)
     assert set(bench.FUSED_GEMMS) == {"scaled_gemv_kernel", "scaled_mm_kernel", "scaled_mm_persistent_kernel",
-                                      "scaled_mm_group_kernel", "blockwise_mm_kernel"}
+                                      "scaled_mm_group_kernel", "blockwise_mm_kernel", "blockwise_gemv_kernel"}
 
 
 def test_linear_weights_are_the_decoders_linears_without_lm_head():

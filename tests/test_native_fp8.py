@@ -11,6 +11,7 @@ left, with the reason.
 from __future__ import annotations
 
 import builtins
+import re
 
 import pytest
 import torch
@@ -279,3 +280,64 @@ def test_fp4_weights_and_an_unset_ub_are_left():
     report = fusepass.prepare(torch.nn.Sequential(fp4, unset))
     assert not report.converted
     assert "FP4-packed weights" in report.left["0"] and "input_scale_ub 0.0" in report.left["1"], report
+
+
+def test_subclasses_and_other_fp8_modules_are_left_named():
+    """A subclass of FP8Linear (its behaviour would be lost) and transformers' FP8Embedding (no
+    linear) are left, with the reason; so the model keeps its source format's config."""
+    from transformers.integrations.finegrained_fp8 import FP8Embedding, FP8Linear
+
+    class Mine(FP8Linear):
+        pass
+
+    model = torch.nn.Sequential(Mine(256, 256, block_size=(128, 128)), FP8Embedding(16, 256))
+    report = fusepass.prepare(model)
+    assert not report.converted and set(report.left) == {"0", "1"}, report
+    assert "a subclass of transformers' FP8Linear" in report.left["0"]
+    assert "transformers' FP8Embedding: not a linear fusepass converts" in report.left["1"]
+
+
+def test_a_static_scale_must_be_one_positive_finite_value():
+    from fusepass.integrations.linear import Act, Joint, W8A8Linear
+
+    w, s = (torch.randn(128, 128) * 10).to(FP8), torch.ones(128)
+    for bad, why in ((None, "needs an input_scale"), (torch.tensor(0.0), "got 0.0"), (torch.ones(2), "of shape (2,)")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            W8A8Linear(Joint(w, s, input_scale=bad), 0, 128, Act("fp8-static"))
+    lin = W8A8Linear(Joint(w, s, input_scale=torch.tensor(0.5)), 0, 128, Act("fp8-static"))
+    state = {**lin.state_dict(), "input_scale": torch.tensor(float("inf"))}
+    with pytest.raises(RuntimeError, match="input_scale: an fp8-static activation scale must be one positive finite "
+                                           "value; got inf"):
+        lin.load_state_dict(state)
+    assert float(lin.input_scale) == 0.5
+
+
+def test_a_fusepass_checkpoint_without_its_static_scale_is_refused(checkpoints, tmp_path):
+    """A fusepass checkpoint that lacks a tensor (here a static scale) is refused as it loads,
+    naming it: transformers would fill it with its own initialization and only warn."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    model = fp8.load(checkpoints["static"][0])
+    fusepass.prepare(model)
+    model.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.input_scale"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"fusepass: the checkpoint lacks model.layers.0.mlp.up_proj.input_scale$"):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+
+
+def test_fbgemm_llama4_experts_need_fbgemm_gpu():
+    """Without fbgemm-gpu, an FBGEMM FP8 checkpoint whose experts only fbgemm-gpu runs is refused as
+    it loads, saying so (its FbgemmFp8Llama4TextExperts would fail at every forward)."""
+    from transformers import FbgemmFp8Config
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    class Llama4TextExperts(torch.nn.Module):  # (what transformers would turn into FbgemmFp8Llama4TextExperts)
+        pass
+
+    loader = AUTO_QUANTIZER_MAPPING["fbgemm_fp8"](FbgemmFp8Config(), pre_quantized=True)
+    loader.without_fbgemm = True
+    with pytest.raises(ImportError, match=r"MoE experts \(Llama-4's\) run on fbgemm-gpu's kernels only"):
+        loader._process_model_before_weight_loading(torch.nn.Sequential(Llama4TextExperts()))

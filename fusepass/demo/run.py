@@ -120,9 +120,10 @@ def _build(o: Options):
         if fmodel is not qmodel:
             report = prepare(fmodel)
             note["result"] = str(report).splitlines()[0]
-            if checkpoint and not report.converted:  # (transformers dequantizes native FP8 without a GPU for it)
-                raise SystemExit(f"fusepass demo: --model {o.model}: no quantized linear to run ({report}); a native "
-                                 "FP8 checkpoint loads quantized only on a GPU of compute capability 8.9 or more")
+            if checkpoint and not report.converted:
+                why = ("; transformers loads a native FP8 checkpoint quantized only on a GPU of compute capability "
+                       "8.9 or more (elsewhere it dequantizes it)") if checkpoint == "fp8" else ""
+                raise SystemExit(f"fusepass demo: --model {o.model}: no quantized linear it runs ({report}){why}")
         ids = models.prompt(model, o.batch, o.prompt_len, o.seed)
     if checkpoint:
         how = f"the checkpoint's own ({checkpoint}; the bf16 model: its weights dequantized)"

@@ -12,7 +12,7 @@ from transformers.quantizers.auto import (
 )
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .saved import QUANT_METHOD, VERSION, replace_for_loading
+from .saved import QUANT_METHOD, VERSION, Stored, replace_for_loading
 
 
 class FusepassConfig(QuantizationConfigMixin):
@@ -45,6 +45,9 @@ class FusepassQuantizer(HfQuantizer):
     def _process_model_after_weight_loading(self, model, **kwargs):
         from .prepare import prepare
 
+        missing = _not_loaded(model)
+        if missing:  # (transformers fills a missing tensor with its own initialization, and only warns)
+            raise ValueError(f"fusepass: the checkpoint lacks {', '.join(missing)}")
         report = prepare(model)
         if report.left:  # (nothing of this format is left: a checkpoint that does not fit it)
             raise ValueError(f"fusepass: the checkpoint's linears did not all load as saved: {report}")
@@ -62,6 +65,17 @@ class FusepassQuantizer(HfQuantizer):
         return True
 
 
+def _not_loaded(model) -> list[str]:
+    """The names of ``Stored`` tensors the checkpoint did not hold: transformers (5.17-5.24)
+    marks each tensor it loads ``_is_hf_initialized``; none where no tensor is marked (a
+    transformers that does not mark them)."""
+    stored = [(f"{path}.{name}", t) for path, m in model.named_modules() if isinstance(m, Stored)
+              for name, t in m.named_parameters()]
+    if not any(getattr(t, "_is_hf_initialized", False) for _, t in stored):
+        return []
+    return [name for name, t in stored if not getattr(t, "_is_hf_initialized", False)]
+
+
 FBGEMM_FP8 = "fbgemm_fp8"
 
 
@@ -71,26 +85,39 @@ def _unprepared(*args, **kwargs):
 
 
 def _fbgemm_loader():
-    """transformers' FBGEMM FP8 quantizer, but for loading a checkpoint (Meta's FP8 releases:
-    ``quant_method: "fbgemm_fp8"``) where fbgemm-gpu is not installed, or on a CPU: the same
-    ``FbgemmFp8Linear`` modules, their tensors loaded as transformers loads them, for ``prepare``
-    to convert. Its ``validate_environment`` refuses both (fbgemm-gpu, a GPU), and building the
-    modules reads ``torch.ops.fbgemm``: here that read gives the modules a function that says to
-    prepare the model first (their forward calls fbgemm-gpu's kernels). Quantizing a bf16 model
-    on load still needs fbgemm-gpu (transformers' own quantizer). transformers 5.17-5.24."""
+    """transformers' FBGEMM FP8 quantizer, which also loads a checkpoint (Meta's FP8 releases:
+    ``quant_method: "fbgemm_fp8"``) where its own environment check refuses to: without
+    fbgemm-gpu, or on a CPU. Then the same ``FbgemmFp8Linear`` modules, their tensors loaded as
+    transformers loads them, for ``prepare`` to convert; building them reads
+    ``torch.ops.fbgemm``, and here that read gives them a function that says to prepare the
+    model first (their forward calls fbgemm-gpu's kernels). Where transformers' check passes
+    (fbgemm-gpu on a GPU, its XPU kernels) nothing changes. Not without fbgemm-gpu: quantizing
+    a bf16 model as it loads, and Llama-4's MoE experts (fusepass runs no MoE experts yet).
+    transformers 5.17-5.24."""
     from transformers.integrations import fbgemm_fp8
     from transformers.quantizers.quantizer_fbgemm_fp8 import FbgemmFp8HfQuantizer
     from transformers.utils import is_accelerate_available
 
     class FbgemmFp8Loader(FbgemmFp8HfQuantizer):
+        without_fbgemm = False
+
         def validate_environment(self, *args, **kwargs):
-            if not self.pre_quantized:
-                raise ImportError("FBGEMM FP8 quantization of a model as it loads needs fbgemm-gpu (fusepass loads "
-                                  "FBGEMM FP8 checkpoints without it, and does not quantize)")
+            try:
+                return super().validate_environment(*args, **kwargs)
+            except ImportError as e:  # (no fbgemm-gpu, or no GPU)
+                if not self.pre_quantized:
+                    raise ImportError(f"{e} (fusepass loads FBGEMM FP8 checkpoints without it, and does not "
+                                      "quantize)") from None
             if not is_accelerate_available():
                 raise ImportError("loading an FBGEMM FP8 checkpoint needs accelerate (`pip install accelerate`)")
+            self.without_fbgemm = True
 
         def _process_model_before_weight_loading(self, model, **kwargs):
+            if not self.without_fbgemm:
+                return super()._process_model_before_weight_loading(model, **kwargs)
+            if any(type(m).__name__ == "Llama4TextExperts" for m in model.modules()):
+                raise ImportError("this FBGEMM FP8 checkpoint's MoE experts (Llama-4's) run on fbgemm-gpu's kernels "
+                                  "only: install fbgemm-gpu (fusepass runs no MoE experts yet)")
             builder = fbgemm_fp8.get_quantize_fp8_per_row
             fbgemm_fp8.get_quantize_fp8_per_row = lambda: _unprepared
             try:
@@ -106,9 +133,5 @@ def register() -> None:
         register_quantization_config(QUANT_METHOD)(FusepassConfig)
     if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
         register_quantizer(QUANT_METHOD)(FusepassQuantizer)
-    import torch
-    from transformers.utils import is_fbgemm_gpu_available
-
-    # (with fbgemm-gpu on a GPU, transformers' own quantizer loads the same modules)
-    if not (is_fbgemm_gpu_available() and torch.cuda.is_available()) and FBGEMM_FP8 in AUTO_QUANTIZER_MAPPING:
+    if FBGEMM_FP8 in AUTO_QUANTIZER_MAPPING:
         AUTO_QUANTIZER_MAPPING[FBGEMM_FP8] = _fbgemm_loader()

@@ -21,6 +21,7 @@ small to reach the memory bandwidth alone.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,17 @@ def quantize_rows(x: torch.Tensor, act: Act, input_scale: torch.Tensor | None = 
         return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None
     scale = nan_if_infinite((amax / act.divisor).clamp(min=SCALE_EPS))
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale, None
+
+
+def bad_input_scale(t: torch.Tensor | None) -> str | None:
+    """What is wrong with an ``fp8-static`` activation scale (one positive finite value), or None
+    (for a tensor on the meta device, whose value is not known yet)."""
+    if t is None or t.numel() != 1 or not t.is_floating_point():
+        return "None" if t is None else f"{t.dtype} of shape {tuple(t.shape)}"
+    if t.is_meta:
+        return None
+    value = float(t.detach())
+    return None if math.isfinite(value) and value > 0 else str(value)
 
 
 def nan_if_infinite(scale: torch.Tensor) -> torch.Tensor:
@@ -188,6 +200,12 @@ class W8A8Linear(nn.Module):
 
     def __init__(self, joint: Joint, lo: int, hi: int, act: Act):
         super().__init__()
+        if (act.kind == "fp8-static") != (joint.input_scale is not None):
+            raise ValueError(f"fusepass.W8A8Linear: an {act.kind} linear's joint "
+                             f"{'needs' if act.kind == 'fp8-static' else 'has no use for'} an input_scale")
+        if act.kind == "fp8-static" and bad_input_scale(joint.input_scale):
+            raise ValueError(f"fusepass.W8A8Linear: an fp8-static input_scale must be one positive finite value; got "
+                             f"{bad_input_scale(joint.input_scale)}")
         self.joint = joint  # (shared by the siblings: one graph input for all of them)
         self.lo, self.hi, self.act_index = lo, hi, act_index(act)
         self.in_features, self.out_features = joint.weight.shape[1], hi - lo
@@ -259,6 +277,10 @@ class W8A8Linear(nn.Module):
                 missing_keys.append(key)
                 continue
             value = state_dict[key]
+            if name == "input_scale" and bad_input_scale(value):
+                error_msgs.append(f"{key}: an fp8-static activation scale must be one positive finite value; got "
+                                  f"{bad_input_scale(value)}")
+                continue
             floating = name == "bias" and value.is_floating_point()
             if value.shape != mine.shape or not (floating or value.dtype == mine.dtype):
                 error_msgs.append(f"size or dtype mismatch for {key}: copying {tuple(value.shape)} {value.dtype} "

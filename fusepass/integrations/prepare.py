@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from . import saved
-from .linear import BLOCK, Act, Joint, W8A8Linear
+from .linear import BLOCK, Act, Joint, W8A8Linear, bad_input_scale
 
 log = logging.getLogger("fusepass.prepare")
 
@@ -213,6 +213,9 @@ def _stored(module) -> _Quantized | None:
     if module.weight.dtype != module.stored_dtype or module.weight_scale.dtype != torch.float32:
         return (f"a fusepass checkpoint's {module.act.kind} linear loaded as {module.weight.dtype} weights and "
                 f"{module.weight_scale.dtype} scales (something replaced its tensors after loading)")
+    if module.input_scale is not None and bad_input_scale(module.input_scale):
+        return (f"a fusepass checkpoint's fp8-static linear with input_scale {bad_input_scale(module.input_scale)} "
+                "(missing from the checkpoint, or not a positive finite value)")
     return _Quantized(module.weight.detach(), module.weight_scale.detach(), module.act,
                       None if module.input_scale is None else module.input_scale.detach())
 
@@ -226,11 +229,17 @@ _FP8 = torch.float8_e4m3fn
 
 
 def _transformers_fp8(module: nn.Module) -> _Quantized | str | None:
-    """A transformers FP8 module's checkpoint values, or why not; None for another module."""
+    """A transformers FP8 module's checkpoint values, or why not (any class of those modules, or
+    a subclass of one, that prepare does not convert: a fusepass checkpoint could not hold it);
+    None for another module."""
     cls = type(module)
-    if cls.__module__ not in _HF_FP8:
+    source = next((c for c in cls.__mro__ if c.__module__ in _HF_FP8), None)
+    if source is None:
         return None
-    name = cls.__name__
+    name = source.__name__
+    if source is not cls:
+        return (f"a {cls.__module__}.{cls.__qualname__} (a subclass of transformers' {name}): its behaviour would "
+                f"be lost; prepare converts transformers' {', '.join(_HF_FP8_LINEARS)} themselves")
     if name == "FP8Linear":
         return _fp8_linear(module)
     if name == "FbgemmFp8Linear":
@@ -238,10 +247,7 @@ def _transformers_fp8(module: nn.Module) -> _Quantized | str | None:
     if name in ("FP8Experts", "FbgemmFp8Llama4TextExperts"):
         return (f"transformers' {name} (a mixture of experts' weights): fusepass does not run MoE experts yet; "
                 "they run on transformers' own kernels")
-    if name == "FP8GroupedLinear":
-        return ("transformers' FP8GroupedLinear (block-diagonal groups of one weight): fusepass runs whole "
-                "linears")
-    return None  # (FP8Embedding: a lookup, which needs no kernel)
+    return f"transformers' {name}: not a linear fusepass converts (FP8GroupedLinear's groups, FP8Embedding's lookup)"
 
 
 def _fp8_linear(m) -> _Quantized | str:
@@ -270,9 +276,8 @@ def _fp8_linear(m) -> _Quantized | str:
         a = m.activation_scale
         if a is None or a.numel() != 1 or not a.is_floating_point():
             return f"{what} with a static activation scheme and activation_scale {a!r}: one float value expected"
-        value = None if a.is_meta else float(a.detach())
-        if value is not None and not (math.isfinite(value) and value > 0):
-            return f"{what} with a static activation_scale of {value}: a positive finite value expected"
+        if bad_input_scale(a):
+            return f"{what} with a static activation_scale of {bad_input_scale(a)}: a positive finite value expected"
         return _Quantized(w.detach(), scale, Act("fp8-static"), a.detach().float().reshape(()))
     if list(block) != [BLOCK, BLOCK]:
         return f"{what} with {list(block)} weight blocks: fusepass runs 128x128 blocks"
@@ -430,6 +435,9 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
                 report.converted[f"{parent_path}.{name}" if parent_path else name] = converted[child].act.kind
     if report.converted:
         saved.attach(model, report.left)
+    if not report.converted and not report.left:  # (e.g. a native FP8 checkpoint transformers dequantized)
+        log.warning("fusepass.prepare: found no quantized linear (a native FP8 checkpoint loaded where transformers "
+                    "cannot run FP8, on a CPU, is dequantized to bf16 as it loads: docs/PREPARE.md)")
     if report.left:
         reasons = sorted(set(report.left.values()))
         log.warning("fusepass.prepare: left %d quantized linear%s as %s: %s", len(report.left),

@@ -53,7 +53,9 @@ class Stored(nn.Module):
                                    requires_grad=False)
         self.weight_scale = nn.Parameter(torch.empty(scale, dtype=torch.float32, device=device), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(torch.empty_like(bias, device=device))
-        self.input_scale = (nn.Parameter(torch.empty((), dtype=torch.float32, device=device), requires_grad=False)
+        # (NaN until loaded: a checkpoint without it is refused by prepare, not run on uninitialized memory)
+        self.input_scale = (nn.Parameter(torch.full((), float("nan"), dtype=torch.float32, device=device),
+                                         requires_grad=False)
                             if act.kind == "fp8-static" else None)
 
     def forward(self, x):

@@ -250,8 +250,8 @@ def blockwise_gemv_kernel(
     FLOOR: tl.constexpr = 0.0,  # QUANT's recipe: a group's scale max(amax, FLOOR) / 448
 ):
     """The block-wise product (``blockwise.py``'s) of one row, on CUDA cores: ``gemv_rows``' reads
-    (BLOCK_N rows of b.T, BLOCK_K bytes at a time), each block's products summed per 128-wide
-    group (exact in fp32, as the tile kernel's dots), scaled by the group's
+    (BLOCK_N rows of b.T, BLOCK_K bytes at a time), each block's products (exact in fp32) summed
+    per 128-wide group in fp32, as the tile kernel's dots, scaled by the group's
     ``scale_a * scale_b`` and added to the fp32 accumulator; then the bias and the cast. No
     split K, so no partial buffer or ticket to zero before the launch.
 

@@ -265,8 +265,9 @@ def check_blockwise_dynamic_args(op: str, x, b, scale_b, out_dtype, bias, floor)
     K, N = b.shape
     if K % BLOCK:
         raise ValueError(f"{op}: K must be whole 128-wide groups (the activation's scales are per group); got K = {K}")
-    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0:
-        raise ValueError(f"{op}: `floor` must be a number > 0 (a group of zeros would divide 0 by 0); got {floor!r}")
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not 0 < floor < float("inf"):
+        raise ValueError(f"{op}: `floor` must be a finite number > 0 (a group of zeros would divide 0 by 0); got "
+                         f"{floor!r}")
     check_out_dtype(op, out_dtype)
     _check_block_scale_b(op, scale_b, K, N)
     tensors = {"x": x, "b": b, "scale_b": scale_b}

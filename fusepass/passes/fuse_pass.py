@@ -63,7 +63,7 @@ class PassConfig:
     # Compiled decode launches split K only inside Inductor's CUDA graphs (fusepass.kernels.
     # launch.decode_splits): outside them each split costs a launch. True where the caller
     # captures the compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor
-    # cannot see; it also turns quantize_in_gemv's and quantize_groups_in_gemv's defaults off.
+    # cannot see; it also turns quantize_in_gemv's default off.
     # (The backend applies it to op calls AOTAutograd traces too; stock Inductor with
     # inductor_options() to the calls the pass makes.)
     split_k_outside_cuda_graphs: bool = False
@@ -88,12 +88,11 @@ class PassConfig:
     # (4 rows a gated program, before gemv_gated_config's 16).
     quantize_in_gemv: bool | None = None
     # At M = 1, an fp8-block (1x128 group) activation quantized inside the M = 1 kernel
-    # (passes/quantize_in.py, quantize_groups_in_gemv). None: as quantize_in_gemv, where the
-    # launches run outside CUDA graphs. In CUDA graphs it cost more GEMM time than the kernels
-    # it saved: 32 Llama-3-8B layers, b1, H100, 1.42x bf16 without it (646 kernels), 1.36x with
-    # (518; GEMMs 2.92 -> 3.30 ms: each program quantizes the whole row); benchmarks/NOTES.md
-    # run 35.
-    quantize_groups_in_gemv: bool | None = None
+    # (passes/quantize_in.py, quantize_groups_in_gemv), in CUDA graphs too: 32 Llama-3-8B
+    # layers, b1, CUDA graphs, H100, the block-wise step took 1.032x per-row fp8's without it
+    # (646 kernels against 550) and 1.002x with it (518), each ratio within one process
+    # (benchmarks/NOTES.md run 35, calls 2 and 3).
+    quantize_groups_in_gemv: bool = True
     # Fused calls whose operands are copies of one value (each hand-written linear quantizing
     # the same input itself) read the earliest copy (passes/share.py); False keeps the copies.
     share_activations: bool = True
@@ -178,11 +177,11 @@ class FusePass(CustomGraphPass):
         for name in quantized or ():
             count(QUANTIZED_IN)
             log.debug("fusepass: %s quantizes its activation in its own launch", name)
-        quantize_groups = self.config.quantize_groups_in_gemv
-        groups = (outside_graphs if quantize_groups is None else quantize_groups) and quantize_groups_in_gemv(graph)
+        groups = self.config.quantize_groups_in_gemv and quantize_groups_in_gemv(graph)
         for name in groups or ():
             count(QUANTIZED_GROUPS_IN)
-            log.debug("fusepass: %s quantizes its activation's 128-wide groups in its own launch", name)
+            log.debug("fusepass: %s becomes scaled_mm_blockwise_dynamic (its M = 1 kernel, where it runs, quantizes "
+                      "the row's 128-wide groups)", name)
         quantized = (quantized or []) + (groups or [])
         # Last, so that an in-launch quantization (one user a row) still finds its row: the
         # copies of one quantization that no join, group or launch took

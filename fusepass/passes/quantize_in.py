@@ -225,12 +225,11 @@ def quantize_in_gemv(graph: fx.Graph) -> list[str]:
 # ``s = clamp_min(amax(abs(xg), -1), F) / 448``, ``a`` = (through views)
 # ``clamp_max(clamp_min(xg / s.unsqueeze(-1), -448), 448).to(float8_e4m3fn)``, ``scale_a`` a
 # view of ``s``; F > 0. Becomes ``fusepass.scaled_mm_blockwise_dynamic(x, b, scale_b,
-# out_dtype, bias, F)``, whose M = 1 kernel quantizes each group as it reads it: the
-# quantization was a kernel of its own, one a linear a layer (the RMSNorm before q/k/v and
-# gate/up and the groups' amax are reductions of two shapes, which Inductor makes two kernels).
-# A group's scale needs no read of the row beforehand, but each program still quantizes the
-# whole row for its 8 rows of weight: in CUDA graphs, where a launch costs nothing, that
-# costs more than it saves, so by default only where launches run outside them
+# out_dtype, bias, F)``, whose M = 1 kernel (where it runs: ``ops/blockwise.py``) quantizes each
+# group as it reads it: the quantization was a kernel of its own, one a linear a layer (the
+# RMSNorm before q/k/v and gate/up and the groups' amax are reductions of two shapes, which
+# Inductor makes two kernels). A group's scale needs no read of the row beforehand (a per-token
+# one does: ``quantize_in_gemv``'s reason to stay out of CUDA graphs), so in CUDA graphs too
 # (``PassConfig.quantize_groups_in_gemv``: the numbers there).
 GROUPS_NAME = "quantized_groups_in_gemv"
 

@@ -182,10 +182,11 @@ def test_dynamic_opcheck(device):
 
 @pytest.mark.parametrize("change,exc,message", [
     (lambda a: (a[0][:, :200], a[1][:200], a[2][:2]) + a[3:], ValueError, "K must be whole 128-wide groups .*K = 200"),
-    (lambda a: a[:5] + (0.0,), ValueError, r"`floor` must be a number > 0 .*got 0.0"),
+    (lambda a: a[:5] + (0.0,), ValueError, r"`floor` must be a finite number > 0 .*got 0.0"),
+    (lambda a: a[:5] + (float("inf"),), ValueError, r"`floor` must be a finite number > 0 .*got inf"),
     (lambda a: (a[0].to(torch.int8),) + a[1:], TypeError, "`x`"),
     (lambda a: a[:2] + (a[2][:1],) + a[3:], ValueError, "`scale_b` must be"),
-], ids=["ragged-k", "floor-0", "int8-x", "scale_b-one-k-block"])
+], ids=["ragged-k", "floor-0", "floor-inf", "int8-x", "scale_b-one-k-block"])
 def test_dynamic_rejects(change, exc, message):
     args = change(_dynamic_args())
     for call in (fusepass.scaled_mm_blockwise_dynamic, torch.ops.fusepass.scaled_mm_blockwise_dynamic):

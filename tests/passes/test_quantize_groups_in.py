@@ -66,13 +66,10 @@ def test_not_where_the_quantization_has_another_user():
     assert GROUPS_NAME not in result.counts
 
 
-def test_by_default_only_where_launches_run_outside_cuda_graphs():
-    """As ``quantize_in_gemv``'s default: not where the launches run inside CUDA graphs (there
-    each program's quantization of the whole row cost more GEMM time than the kernel it saved:
-    ``PassConfig.quantize_groups_in_gemv``); asked for, it runs there too."""
+def test_in_cuda_graphs_too():
+    """Unlike ``quantize_in_gemv``, also where the launches run inside CUDA graphs (a group's
+    scale needs no read of the row first: ``PassConfig.quantize_groups_in_gemv``)."""
     lin = _linear()
     x = torch.randn(1, 1, 384, dtype=torch.bfloat16)
     inside = PassConfig(split_k_outside_cuda_graphs=True)  # (the config's word for "in CUDA graphs")
-    assert GROUPS_NAME not in run_pass(_norm_then(lin), x, config=inside).counts
-    forced = PassConfig(split_k_outside_cuda_graphs=True, quantize_groups_in_gemv=True)
-    assert run_pass(_norm_then(lin), x, config=forced).counts.get(GROUPS_NAME) == 1
+    assert run_pass(_norm_then(lin), x, config=inside).counts.get(GROUPS_NAME) == 1
