@@ -274,10 +274,8 @@ def _fp8_linear(m) -> _Quantized | str:
         if scheme == "dynamic":
             return _Quantized(w.detach(), scale, Act("fp8"))
         a = m.activation_scale
-        if a is None or a.numel() != 1 or not a.is_floating_point():
-            return f"{what} with a static activation scheme and activation_scale {a!r}: one float value expected"
         if bad_input_scale(a):
-            return f"{what} with a static activation_scale of {bad_input_scale(a)}: a positive finite value expected"
+            return f"{what} with a static activation_scale of {bad_input_scale(a)}: one positive finite value expected"
         return _Quantized(w.detach(), scale, Act("fp8-static"), a.detach().float().reshape(()))
     if list(block) != [BLOCK, BLOCK]:
         return f"{what} with {list(block)} weight blocks: fusepass runs 128x128 blocks"
@@ -385,8 +383,8 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
         elif isinstance(m, saved.Stored):
             found = _stored(m)
             found_in[m] = (_changed_behaviour(m) or found) if isinstance(found, _Quantized) else found
-        elif _transformers_fp8(m) is not None:  # (an MoE's experts: a reason)
-            found_in[m] = _transformers_fp8(m)
+        elif (reason := _transformers_fp8(m)) is not None:  # (an MoE's experts, an embedding: a reason)
+            found_in[m] = reason
     compressed = [m for m in found_in if _ct_scheme(m) is not None]
     if compressed:
         _undo_compressed_tensors(model, [m for m in compressed if isinstance(found_in[m], str)])

@@ -88,10 +88,8 @@ class PassConfig:
     # (4 rows a gated program, before gemv_gated_config's 16).
     quantize_in_gemv: bool | None = None
     # At M = 1, an fp8-block (1x128 group) activation quantized inside the M = 1 kernel
-    # (passes/quantize_in.py, quantize_groups_in_gemv), in CUDA graphs too: 32 Llama-3-8B
-    # layers, b1, CUDA graphs, H100, the block-wise step took 1.032x per-row fp8's without it
-    # (646 kernels against 550) and 1.002x with it (518), each ratio within one process
-    # (benchmarks/NOTES.md run 35, calls 2 and 3).
+    # (passes/quantize_in.py, quantize_groups_in_gemv), in CUDA graphs too: there it brought a
+    # full-depth block-wise decode step level with per-row fp8's (docs/PERFORMANCE.md).
     quantize_groups_in_gemv: bool = True
     # Fused calls whose operands are copies of one value (each hand-written linear quantizing
     # the same input itself) read the earliest copy (passes/share.py); False keeps the copies.
