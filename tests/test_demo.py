@@ -111,6 +111,42 @@ def test_demo_runs_a_compressed_tensors_checkpoint(tmp_path, capsys):
     _check_accuracy_and_tokens(out, 4)
 
 
+@pytest.mark.parametrize("fmt", ["fbgemm", "native"])
+def test_demo_runs_transformers_fp8_checkpoints(fmt, tmp_path, capsys):
+    """--model PATH to transformers' own FP8 formats: FBGEMM FP8 (loaded without fbgemm-gpu) and
+    native 128x128-block FP8 (its FP8Linear built on the CPU with the GPU gate skipped, in this
+    test only: tests/fp8_checkpoints.py), prepared and every quantized linear fused. transformers'
+    own modules need the ``kernels`` package and fbgemm-gpu, absent here: the eager reference is
+    then the prepared model's, and the demo says so."""
+    pytest.importorskip("accelerate")
+    from tests import fp8_checkpoints as fp8
+
+    path = fp8.fbgemm(tmp_path)[0] if fmt == "fbgemm" else fp8.native(tmp_path, "llama")[0]
+    argv = ["demo", "--device", "cpu", "--model", str(path), "--prompt-len", "16", "--new-tokens", "3", "--batch", "1"]
+    with fp8.gpu_gate_skipped():
+        assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    count, kind = (fp8.FBGEMM_LINEARS, "fp8") if fmt == "fbgemm" else (fp8.LINEARS, "fp8-block")
+    assert f"fusepass.prepare: {count} quantized linears converted ({kind} {count})" in out, out
+    assert f"W8A8: every linear the checkpoint's own ({'fbgemm_fp8' if fmt == 'fbgemm' else 'fp8'};" in out, out
+    assert _summaries(out) == {"prefill b1": (count, count, 0), "decode b1": (count, count, 0)}, out
+    fused = _accuracy(out, "fusepass-compiled")
+    assert fused < 0.15 and fused < 1.5 * _accuracy(out, "prepared, eager") + 1e-3, out
+    assert "the checkpoint's own eager model failed (" in out and "the prepared one's instead" in out, out
+
+
+def test_demo_refuses_a_native_fp8_checkpoint_transformers_dequantized(tmp_path, capsys):
+    """On a CPU transformers loads a native FP8 checkpoint dequantized to bf16: nothing W8A8 to
+    show, and the demo says why."""
+    pytest.importorskip("accelerate")
+    from tests import fp8_checkpoints as fp8
+
+    path = fp8.native(tmp_path, "llama")[0]
+    with pytest.raises(SystemExit, match="no quantized linear it runs .*a native FP8 checkpoint quantized only on a "
+                                         "GPU of compute capability 8.9"):
+        cli.main(["demo", "--device", "cpu", "--model", str(path), "--no-speed"])
+
+
 def test_demo_quantized_by_compressed_tensors(capsys):
     """--quantizer compressed-tensors: the random model as its W8A8 checkpoint loads (lm_head
     left bf16), prepared, every quantized linear fused."""

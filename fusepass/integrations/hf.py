@@ -80,8 +80,8 @@ FBGEMM_FP8 = "fbgemm_fp8"
 
 
 def _unprepared(*args, **kwargs):
-    raise RuntimeError("fusepass: this FBGEMM FP8 checkpoint was loaded without fbgemm-gpu, whose kernels its "
-                       "FbgemmFp8Linear modules call: run it after fusepass.prepare(model), which converts them")
+    raise RuntimeError("fusepass: FbgemmFp8Linear calls fbgemm-gpu, not installed here: run the model after "
+                       "fusepass.prepare(model)")
 
 
 def _fbgemm_loader():
