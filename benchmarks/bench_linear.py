@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fusepass  # noqa: E402
 from fusepass.kernels.configs import select_config  # noqa: E402
-from fusepass.kernels.launch import FP8_CUBLAS_ABOVE_M, cublas_device, launch_scaled_mm  # noqa: E402
+from fusepass.kernels.launch import cublas_device, launch_scaled_mm  # noqa: E402
+from fusepass.kernels.policy import FP8_CUBLAS_ABOVE_M  # noqa: E402
 
 SHAPES = {
     "8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)],

@@ -22,7 +22,7 @@ from ._compat import (
     CustomGraphPass, aot_capture, compile_fx, counters, inductor_config, is_traceable_wrapper_subclass, mode_options,
     register_backend,
 )
-from .kernels.launch import splitting_outside_graphs
+from .kernels.policy import splitting_outside_graphs
 from .passes import FusePass, PassConfig, RewritePass
 from .passes.choices import decode_reductions
 from .passes.fuse_pass import INDUCTOR_PREFIX

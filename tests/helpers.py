@@ -189,7 +189,7 @@ def record_split_requests(monkeypatch, module, run, tensors) -> list:
     from torch.fx.experimental.proxy_tensor import make_fx
 
     seen = []
-    monkeypatch.setattr(module, "decode_splits", lambda fake, symbolic_m: seen.append((fake, symbolic_m)) or fake)
+    monkeypatch.setattr(module, "decode_splits", lambda fake, symbolic_m, graphs: seen.append((fake, symbolic_m)) or fake)
     for name in ("select_config", "bucket_choices"):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, real=real, name=name: seen.append((name, a[-1])) or real(*a))

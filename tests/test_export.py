@@ -90,7 +90,7 @@ class _Fp8Linear(torch.nn.Module):
 def test_export_aoti_fp8_dynamic_m_runs_kernel_and_cublas_branches(tmp_path):
     """A dynamic M through AOTInductor: on an sm90 GPU the package holds the kernel's M buckets
     and cuBLAS's _scaled_mm above FP8_CUBLAS_ABOVE_M (a cond), and runs both as the eager op."""
-    from fusepass.kernels.launch import FP8_CUBLAS_ABOVE_M
+    from fusepass.kernels.policy import FP8_CUBLAS_ABOVE_M
 
     model = _Fp8Linear().cuda().eval()
     x = torch.randn(32, 512, device="cuda", dtype=torch.bfloat16)

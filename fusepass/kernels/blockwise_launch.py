@@ -2,7 +2,7 @@
 style of ``launch.py`` (whose helpers it uses): eagerly the kernel launches through
 ``direct.DirectLauncher``; traced (the op inlined by ``fusepass.passes.lower``) each launch is
 a ``wrap_triton`` node that Inductor launches from its own code, and a symbolic M picks its
-bucket's config at run time through ``launch._by_m``'s ``cond`` chain.
+bucket's config at run time through ``launch.by_m``'s ``cond`` chain.
 
 The config table was tuned on an H200: one tile config per M
 bucket, and a split-K that fills the GPU: decode at a small N has too few N tiles to keep
@@ -31,8 +31,9 @@ from .blockwise import BLOCK, blockwise_mm_kernel
 from .configs import Config, cdiv, decode_unsplit, fit, gemv_config, gemv_fills, merge_buckets, sm_count
 from .direct import launcher, record
 from .gemv import blockwise_gemv_kernel
-from .launch import (GRAPH_SYMBOLS, INTERPRETED, _by_m, _flat, _traced, choices_then, cond_choice, cublas_layout,
-                     decode_splits, gemv_allowed, new_output, on_device, run_cublas, split_k_buffers)
+from .launch import (INTERPRETED, by_m, choices_then, cond_choice, cublas_layout, flat, gemv_allowed, new_output,
+                     on_device, run_cublas, split_k_buffers, traced)
+from .policy import GRAPH_SYMBOLS, NO_GRAPHS, Graphs, decode_splits
 
 # (top of the M bucket, config, programs per SM, most splits), ascending; the last bucket (top
 # None) takes every larger M. BLOCK_K divides 128 (whole dots per scale group); fit() may
@@ -68,7 +69,7 @@ CUBLAS_ABOVE_M = 16
 class CublasChoice:
     """The choice for every M above CUBLAS_ABOVE_M: cuBLAS's block-wise GEMM where M is a
     multiple of 4, else the kernel with the config of M's bucket in ``fallback`` (``[(top,
-    Config)]``, as ``launch._by_m`` takes them). cuBLAS refused M = 257, 258 and 301
+    Config)]``, as ``launch.by_m`` takes them). cuBLAS refused M = 257, 258 and 301
     (CUBLAS_STATUS_NOT_SUPPORTED, H200, torch 2.11), and a ``scale_a`` row stride padded to
     a multiple of 4 ("Invalid scaling configuration"), while 260 and 300 ran: its M-major
     ``scale_a`` rows of M floats are, we take it, to be whole 16 bytes."""
@@ -126,7 +127,7 @@ def select_config(M: int, N: int, K: int, device=None, split_decode: bool = True
 
 def bucket_choices(N, K, device=None, split_decode: bool = True) -> list:
     """``[(top, Config)]`` of every bucket, fitted where N and K are numbers, adjacent buckets
-    with the same config merged (``_by_m``'s input: one ``cond`` branch per distinct config);
+    with the same config merged (``by_m``'s input: one ``cond`` branch per distinct config);
     ``split_decode`` as in ``select_config``."""
     concrete, sms = is_concrete_int(N) and is_concrete_int(K), sm_count(device)
     return merge_buckets((row[0], _fitted(row, int(N), int(K), sms, split_decode) if concrete else row[1])
@@ -165,7 +166,7 @@ def _cublas_or_kernel(fallback: tuple, out_dtype: torch.dtype, *tensors):
     M = tensors[0].shape[0]
 
     def kernel(ops, symbols):
-        return _by_m(list(fallback), lambda cfg, *t: _run(cfg, out_dtype, *t), ops, symbols)
+        return by_m(list(fallback), lambda cfg, *t: _run(cfg, out_dtype, *t), ops, symbols)
 
     def cublas(ops, symbols):
         return run_cublas(_cublas_mm, out_dtype, *ops)
@@ -184,7 +185,7 @@ def _run(cfg: Config | CublasChoice, out_dtype: torch.dtype, a, b, scale_a, scal
     M, K = a.shape
     N = b.shape[1]
     out = new_output(a, b, out_dtype)
-    fake = _traced(a)
+    fake = traced(a)
     if INTERPRETED and fake:
         return out
     if cfg.gemv:
@@ -246,8 +247,8 @@ def launch_gemv_quantized_groups(x: torch.Tensor, b: torch.Tensor, scale_b: torc
     """``x`` (1, K), a float row, quantized per 128-wide group inside the M = 1 kernel
     (``gemv.blockwise_gemv_kernel``'s QUANT), times ``b`` with its 128x128 block scales; inputs
     validated and ``gemv_quantizes_groups``; eager, interpreted and traced alike."""
-    fake = _traced(x)
-    bias = _flat(bias, fake)
+    fake = traced(x)
+    bias = flat(bias, fake)
     out = new_output(x, b, out_dtype)
     if INTERPRETED and fake:
         return out
@@ -263,19 +264,21 @@ def launch_scaled_mm_blockwise(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
     config: Config | None = None,
+    graphs: Graphs = NO_GRAPHS,
 ) -> torch.Tensor:
     """Run the block-wise product on validated inputs (K >= 1) and return a new (M, N) tensor.
 
     ``config`` overrides the table (tests, tuning) and always runs the Triton kernel; without
     it, M > CUBLAS_ABOVE_M runs on cuBLAS where ``uses_cublas`` and M % 4 == 0. Works on
     CUDA tensors, on CPU tensors under TRITON_INTERPRET=1, and traced (a symbolic M picks
-    its bucket, and cuBLAS or not, at run time)."""
+    its bucket, and cuBLAS or not, at run time; ``graphs``: where the launches will run,
+    ``policy.decode_splits``)."""
     M, K = a.shape
     N = b.shape[1]
     if statically_known_true(M == 0) or statically_known_true(N == 0):
         return torch.empty((M, N), dtype=out_dtype, device=a.device)
-    fake = _traced(a)
-    bias = _flat(bias, fake)
+    fake = traced(a)
+    bias = flat(bias, fake)
     use_cublas = (config is None and not statically_known_true(M <= CUBLAS_ABOVE_M)
                   and uses_cublas(a, b, scale_a, scale_b, out_dtype, bias))
     if config is not None:
@@ -289,7 +292,7 @@ def launch_scaled_mm_blockwise(
         if gemv_allowed(a, b) and gemv_fills(int(N), a.device):
             config = gemv_blocks(int(N), int(K), a.device)
         else:
-            config = select_config(int(M), int(N), int(K), a.device, decode_splits(fake, symbolic_m=False))
+            config = select_config(int(M), int(N), int(K), a.device, decode_splits(fake, False, graphs))
         if use_cublas:
             config = CublasChoice(((None, config),))
     tensors = (a, b, scale_a, scale_b) + ((bias,) if bias is not None else ())
@@ -297,11 +300,11 @@ def launch_scaled_mm_blockwise(
         def launch():
             return _run(config, out_dtype, *tensors)
     else:  # a symbolic size: the config of M's bucket, picked at run time
-        choices = bucket_choices(N, K, a.device, decode_splits(fake, symbolic_m=not is_concrete_int(M)))
+        choices = bucket_choices(N, K, a.device, decode_splits(fake, not is_concrete_int(M), graphs))
         if use_cublas:  # one cuBLAS choice above CUBLAS_ABOVE_M, holding those buckets' configs
             upper = tuple((top, cfg) for top, cfg in choices if top is None or top > CUBLAS_ABOVE_M)
             choices = choices_then(choices, CUBLAS_ABOVE_M, CublasChoice(upper))
 
         def launch():
-            return _by_m(choices, lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors, GRAPH_SYMBOLS.get())
+            return by_m(choices, lambda cfg, *ts: _run(cfg, out_dtype, *ts), tensors, GRAPH_SYMBOLS.get())
     return on_device(a, fake, launch)

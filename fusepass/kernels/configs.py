@@ -185,7 +185,7 @@ def bucket_choices(N, K, dtype: torch.dtype, device, azp: bool = False, split_de
 
 def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
     """``cfg`` unsplit at a decode bucket (M <= ``top``) unless ``split_decode``: False for
-    compiled code that runs outside CUDA graphs (``launch.decode_splits``)."""
+    compiled code that runs outside CUDA graphs (``policy.decode_splits``)."""
     # A split launch needs its per-tile counters zeroed first: in compiled code one more
     # launch, a fill kernel of Inductor's. Outside CUDA graphs a decode step is host-bound,
     # and pays for that launch with host time, while the GPU time the split saves is time the
@@ -250,7 +250,7 @@ def gemv_fills(N: int, device) -> bool:
 
 def merge_buckets(choices) -> list:
     """``[(top, Config)]`` with adjacent buckets of the same config merged into the upper one
-    (``launch._by_m`` then has one ``cond`` branch per distinct config)."""
+    (``launch.by_m`` then has one ``cond`` branch per distinct config)."""
     merged = []
     for top, cfg in choices:
         if merged and merged[-1][1] == cfg:

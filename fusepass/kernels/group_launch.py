@@ -4,7 +4,7 @@
 
 The config is the tuned one of the fused weight the members make together, (M, sum N_i, K):
 that is the GEMM the launch runs (Llama-3-8B's q/k/v make the 6144 x 4096 weight the table
-has), with its split of K where a decode launch may split (``launch.decode_splits``) and
+has), with its split of K where a decode launch may split (``policy.decode_splits``) and
 pointer loads, whatever the table says for that shape (``group.py``); at M = 1 with the
 weights as stored, the M = 1 kernel's rows (``configs.gemv_config``).
 """
@@ -19,19 +19,8 @@ from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_kn
 from .configs import Config, cdiv, fit, gemv_config, gemv_fills, select_config, sm_count
 from .direct import launcher
 from .group import scaled_mm_group_kernel
-from .launch import (INTERPRETED, _flat, _per_element, _traced, decode_splits, dp4a_rows, gemv_allowed, on_device,
-                     split_k_buffers)
-
-MAX_MEMBERS = 4  # the kernel's member arguments
-
-
-def launch_variant(b: torch.Tensor, scale_b: torch.Tensor, bias) -> tuple | None:
-    """What every member of one launch must share: the weight's strides (the kernel takes one
-    pair), scale granularity and bias or none. None where a stride is symbolic."""
-    strides = b.stride()
-    if not all(map(is_concrete_int, strides)):
-        return None
-    return tuple(map(int, strides)), _per_element(scale_b), bias is None
+from .launch import INTERPRETED, dp4a_rows, flat, gemv_allowed, on_device, split_k_buffers, traced
+from .policy import MAX_MEMBERS, NO_GRAPHS, Graphs, decode_splits, per_element
 
 
 def takes_gemv(M: int, Ns: list, k_contiguous: bool, device) -> bool:
@@ -60,27 +49,29 @@ def launch_scaled_mm_group(
     out_dtype: torch.dtype,
     biases: list,
     config: Config | None = None,
+    graphs: Graphs = NO_GRAPHS,
 ) -> list:
     """Run the grouped kernel on validated inputs (K >= 1, a static M, 2..4 members of one
     weight layout and epilogue variant) and return the new (M, N_i) outputs. ``config``
-    overrides the table (tests)."""
+    overrides the table (tests); ``graphs``: where traced launches will run
+    (``policy.decode_splits``)."""
     M, K = a.shape
     Ns = [b.shape[1] for b in bs]
     outs = [torch.empty_strided((M, N), (N, 1), dtype=out_dtype, device=a.device) for N in Ns]
-    fake = _traced(a)
+    fake = traced(a)
     if statically_known_true(M == 0) or (INTERPRETED and fake):
         return outs
     if not all(map(is_concrete_int, (M, K, *Ns))):
         raise ValueError("fusepass.scaled_mm_group: sizes must be static (the pass groups static decode sizes)")
     cfg = config or group_config(int(M), [int(n) for n in Ns], int(K), a.dtype, a.device,
                                  k_contiguous=bs[0].stride(0) == 1,
-                                 split_decode=decode_splits(fake, symbolic_m=False))
+                                 split_decode=decode_splits(fake, False, graphs))
     if cfg.gemv and (not gemv_allowed(a, bs[0]) or cfg.split_k != 1):
         raise ValueError(f"a gemv config needs M = 1, weights contiguous along K and split_k 1, got M = {M}, "
                          f"strides {tuple(bs[0].stride())}, split_k {cfg.split_k}")
-    scale_a = _flat(scale_a, fake)
-    scale_bs = [_flat(s, fake) for s in scale_bs]
-    biases = [_flat(b, fake) for b in biases]
+    scale_a = flat(scale_a, fake)
+    scale_bs = [flat(s, fake) for s in scale_bs]
+    biases = [flat(b, fake) for b in biases]
     pad = [None] * (MAX_MEMBERS - len(bs))
     grid = (cdiv(M, cfg.block_m) * sum(cdiv(N, cfg.block_n) for N in Ns), cfg.split_k)
     even_k = statically_known_true(K % cfg.block_k == 0)
@@ -99,8 +90,8 @@ def launch_scaled_mm_group(
             *Ns, *([0] * len(pad)),
             a.stride(0), a.stride(1),
             bs[0].stride(0), bs[0].stride(1),
-            SCALE_A_PER_TOKEN=_per_element(scale_a),
-            SCALE_B_PER_CHANNEL=_per_element(scale_bs[0]),
+            SCALE_A_PER_TOKEN=per_element(scale_a),
+            SCALE_B_PER_CHANNEL=per_element(scale_bs[0]),
             HAS_BIAS=biases[0] is not None,
             MEMBERS=len(bs),
             GEMV=cfg.gemv,

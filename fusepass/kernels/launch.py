@@ -15,7 +15,7 @@ at trace time; with a symbolic M it is a chain of ``cond`` on ``M <= bucket top`
 compiled graph runs each M on its own bucket's tiles (a host-side ``if`` in the wrapper).
 
 Either way a kernel launch takes three steps: the config (``select_config`` or ``gemv_config``,
-or ``bucket_choices`` and ``_by_m`` where a size is symbolic; above FP8_CUBLAS_ABOVE_M an fp8
+or ``bucket_choices`` and ``by_m`` where a size is symbolic; above FP8_CUBLAS_ABOVE_M an fp8
 product may go to cuBLAS instead), the plan (``plan``: kernel, grid and constexprs, from sizes
 and layouts alone) and the launch (``_run``, through ``direct.launcher``: a ``DirectLauncher``
 eagerly, the kernel itself under the interpreter, a ``wrap_triton`` node traced).
@@ -23,19 +23,18 @@ eagerly, the kernel itself under the interpreter, a ``wrap_triton`` node traced)
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from .._compat import cond_op, inductor_config, is_fake, triton_allocator_unset
+from .._compat import cond_op, is_fake, triton_allocator_unset
 from .configs import (Config, bucket_choices, cdiv, device_arch, device_properties, gemv_config, gemv_fills,
                       gemv_gated_config, select_config, sm_count)
 from .direct import launcher, record, record_call, split_scratch
 from .gemv import scaled_gemv_kernel
+from .policy import FP8_CUBLAS_ABOVE_M, GRAPH_SYMBOLS, NO_GRAPHS, Graphs, decode_splits, floors_first, per_element
 from .persistent import scaled_mm_persistent_kernel
 from .scaled_mm import scaled_mm_kernel
 
@@ -57,7 +56,7 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-def _flat(t: torch.Tensor | None, fake: bool) -> torch.Tensor | None:
+def flat(t: torch.Tensor | None, fake: bool) -> torch.Tensor | None:
     """A vector argument with contiguous elements: itself where it has them (the kernel
     reads the data pointer; an eager view costs ~3 us), else a contiguous 1-D copy. A
     traced one is always reshaped: its contiguity may be symbolic, and views cost nothing
@@ -109,7 +108,7 @@ def dp4a_rows(b: torch.Tensor, block_k: int, even_k: bool, fake: bool) -> bool:
     return statically_known_true(b.stride(1) % 4 == 0) and statically_known_true(offset % 16 == 0)
 
 
-def _traced(t: torch.Tensor) -> bool:
+def traced(t: torch.Tensor) -> bool:
     """A fake tensor (also under functionalization); is_fake costs ~4 us, a type check 0.1."""
     return type(t) is not torch.Tensor and is_fake(t)
 
@@ -130,48 +129,7 @@ def on_device(a: torch.Tensor, fake: bool, launch):
     return launch()
 
 
-# Set by whoever traces the ops for code that its caller captures into CUDA graphs itself
-# (the fusepass pass and backend, from ``PassConfig.split_k_outside_cuda_graphs``).
-SPLIT_OUTSIDE_GRAPHS: ContextVar[bool] = ContextVar("fusepass_split_outside_graphs", default=False)
-
-
-@contextlib.contextmanager
-def splitting_outside_graphs(on: bool):
-    """Traced decode launches split K outside Inductor's CUDA graphs too while this is on."""
-    token = SPLIT_OUTSIDE_GRAPHS.set(on)
-    try:
-        yield
-    finally:
-        SPLIT_OUTSIDE_GRAPHS.reset(token)
-
-
-def decode_splits(fake: bool, symbolic_m: bool) -> bool:
-    """Whether a decode launch may split K (the configs' ``split_decode``).
-
-    Eagerly: yes. A warm-up outside a stream capture must compile the kernel the capture
-    then launches (a Triton compile inside a capture can fail), and the counters come zeroed
-    from the last launch on the stream (``direct.split_scratch``). Traced: where its
-    launches are hidden in a CUDA graph, as far as it is known while Inductor compiles: its
-    ``triton.cudagraphs`` option (``mode="reduce-overhead"`` or ``"max-autotune"``; part of
-    the FX-graph-cache key), or ``splitting_outside_graphs`` for code that its caller captures.
-    Not for a symbolic M: its ``cond`` is control flow, which Inductor keeps out of its CUDA
-    graphs (torch 2.13's graph partition)."""
-    if not fake or SPLIT_OUTSIDE_GRAPHS.get():
-        return True
-    return bool(inductor_config().triton.cudagraphs) and not symbolic_m
-
-
-def _per_element(v: torch.Tensor | None) -> bool:
-    return v is not None and not statically_known_true(v.numel() == 1)
-
-
-# Above this M, an fp8 product runs as cuBLAS's torch._scaled_mm where that call takes it
-# (``cublas_takes_fp8``), and the pass leaves fp8 matmuls to it (``PassConfig.fp8_max_m``).
-# H200, torch 2.11 (cuBLAS of CUDA 13.0), bench_linear.py's 8 Llama-3 8B/70B shapes, per-token x
-# per-channel scales with a bf16 bias, CUDA graphs: the kernel is 1.34x cuBLAS's speed at
-# M = 64 (geomean; 1.15-1.57x), 0.83x at M = 256, 0.64-0.85x from M = 1024 up; 1.30x at M = 32.
-FP8_CUBLAS_ABOVE_M = 64
-CUBLAS = "cuBLAS"  # in a _by_m choice list: cuBLAS's GEMM instead of a kernel config
+CUBLAS = "cuBLAS"  # in a by_m choice list: cuBLAS's GEMM instead of a kernel config
 
 
 def cuda_at_least(major: int, minor: int) -> bool:
@@ -195,7 +153,7 @@ def cublas_layout(a, b, out_dtype: torch.dtype, bias=None) -> bool:
     multiples of 16, no bias or a 16-byte aligned bf16 bias with a bf16 output (one rounding,
     as the ops' contract says; torch refuses an fp32 bias, and any bias with an fp32 output)."""
     K, N = a.shape[1], b.shape[1]
-    fake = _traced(a)
+    fake = traced(a)
     return (
         cublas_device(a.device)
         and statically_known_true(K % 16 == 0) and statically_known_true(N % 16 == 0)
@@ -211,7 +169,7 @@ def cublas_takes_fp8(a, b, scale_a, scale_b, out_dtype: torch.dtype, bias=None, 
     (torch takes no other dtype; the alignment of a scale vector was not probed, so not
     assumed), and ``cublas_layout``. Its results matched the kernel's errors against a float64
     product in every such case measured."""
-    fake = _traced(a)
+    fake = traced(a)
     return (
         a.dtype == b.dtype == torch.float8_e4m3fn and azp_adj is None
         and scale_a.dtype == scale_b.dtype == torch.float32
@@ -224,7 +182,7 @@ def _cublas_fp8_mm(out_dtype: torch.dtype, a, b, scale_a, scale_b, bias=None):
     """The fp8 product through cuBLAS: tensor-wise with two one-element scales, else
     row-wise, with the scales as torch takes them there ([M, 1] and [1, N], contiguous; a
     one-element scale beside a vector spread to one, as torch refuses mixed modes)."""
-    if _per_element(scale_a) or _per_element(scale_b):
+    if per_element(scale_a) or per_element(scale_b):
         M, N = a.shape[0], b.shape[1]
         scale_a = scale_a.reshape(-1, 1).expand(M, 1).contiguous()
         scale_b = scale_b.reshape(1, -1).expand(1, N).contiguous()
@@ -235,13 +193,13 @@ def run_cublas(mm, out_dtype: torch.dtype, *tensors):
     """``mm(out_dtype, *tensors)``, a cuBLAS call; eagerly recorded for repeats
     (``direct.CallReplay``: ``tensors`` must be the op call's own)."""
     out = mm(out_dtype, *tensors)
-    if not _traced(tensors[0]):
+    if not traced(tensors[0]):
         record_call(mm, (out_dtype, *tensors), out)
     return out
 
 
 def choices_then(choices: list, limit: int, choice) -> list:
-    """``choices`` (``_by_m``'s ``[(top, cfg)]``) for M <= ``limit``, then ``choice`` for every
+    """``choices`` (``by_m``'s ``[(top, cfg)]``) for M <= ``limit``, then ``choice`` for every
     larger M (a bucket that straddles ``limit``, where adjacent ones were merged, is cut there)."""
     kept = []
     for top, cfg in choices:
@@ -309,7 +267,7 @@ def _run(cfg: Config, flags: dict, out_dtype: torch.dtype, a, b, scale_a, scale_
     M, K = a.shape
     N = b.shape[1]
     out = new_output(a, b, out_dtype)
-    fake = _traced(a)
+    fake = traced(a)
     if INTERPRETED and fake:
         return out
     p = plan(cfg, flags, a, b, out, fake)
@@ -384,14 +342,7 @@ def split_k_buffers(split_k: int, tiles, M, N, acc_dtype: torch.dtype, device, f
             torch.zeros((tiles,), dtype=torch.int32, device=device))
 
 
-# The size symbols of the graph being lowered (SymInts), set by fusepass.passes.lower while
-# it traces an op. Each cond takes them as operands: Inductor compiles its branches as
-# subgraphs, which can compute a size like s0*s1 (the rows of a reshaped 3-D activation)
-# only from symbols passed in.
-GRAPH_SYMBOLS: ContextVar[tuple] = ContextVar("fusepass_graph_symbols", default=())
-
-
-def _by_m(choices: list, run, operands: tuple, symbols: tuple):
+def by_m(choices: list, run, operands: tuple, symbols: tuple):
     """``run(cfg, *operands)`` with the config of M's bucket (M = rows of ``operands[0]``).
 
     ``choices`` holds ``(top, cfg)`` in ascending order, the last top None (no bound).
@@ -403,7 +354,7 @@ def _by_m(choices: list, run, operands: tuple, symbols: tuple):
     if top is None or len(choices) == 1 or statically_known_true(M <= top):
         return run(cfg, *operands)
     return cond_choice(M <= top, lambda ops, syms: run(cfg, *ops),
-                       lambda ops, syms: _by_m(choices[1:], run, ops, syms), operands, symbols)
+                       lambda ops, syms: by_m(choices[1:], run, ops, syms), operands, symbols)
 
 
 def cond_choice(pred, if_true, if_false, operands: tuple, symbols: tuple):
@@ -420,12 +371,6 @@ def cond_choice(pred, if_true, if_false, operands: tuple, symbols: tuple):
         (*operands, *symbols),
     )
     return out
-
-
-def floors_first(dtype: torch.dtype, floor_first: bool | None = None) -> bool:
-    """Whether a per-token scale is ``max(amax, floor) / divisor`` (else ``max(amax / divisor,
-    floor)``): ``floor_first``, or where None the dtype's own recipe (e4m3's; int8 divides first)."""
-    return dtype == torch.float8_e4m3fn if floor_first is None else bool(floor_first)
 
 
 def gemv_quantizes(x: torch.Tensor, b: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
@@ -446,9 +391,9 @@ def launch_gemv_quantized(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tenso
     ``launch_scaled_mm`` take two; the scale's order: ``floors_first(b.dtype, floor_first)``.
     Validated inputs where
     ``gemv_quantizes``; eager, interpreted and traced alike."""
-    fake = _traced(x)
-    scale_b, bias = (_flat(t, fake) for t in (scale_b, bias))
-    flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=_per_element(scale_b), HAS_BIAS=bias is not None,
+    fake = traced(x)
+    scale_b, bias = (flat(t, fake) for t in (scale_b, bias))
+    flags = dict(SCALE_A_PER_TOKEN=False, SCALE_B_PER_CHANNEL=per_element(scale_b), HAS_BIAS=bias is not None,
                  AZP=0, RAW_ACC=False, QUANT=True, DIVISOR=float(divisor), FLOOR=float(floor), GATED=gate is not None,
                  FLOOR_FIRST=floors_first(b.dtype, floor_first))
     N, K, sms = int(b.shape[1]), int(x.shape[1]), sm_count(x.device)
@@ -466,6 +411,7 @@ def launch_scaled_mm(
     azp_adj: torch.Tensor | None = None,
     azp: torch.Tensor | None = None,
     config: Config | None = None,
+    graphs: Graphs = NO_GRAPHS,
 ) -> torch.Tensor:
     """Run the fused kernel on validated inputs (K >= 1) and return a new (M, N) tensor.
 
@@ -475,16 +421,16 @@ def launch_scaled_mm(
     ``cublas_takes_fp8`` runs as cuBLAS's ``torch._scaled_mm`` (a symbolic M: one more
     ``cond`` branch). ``config`` overrides the tuned launch configuration and always runs the
     kernel (tests, tuning). Works on CUDA tensors, on CPU tensors under TRITON_INTERPRET=1,
-    and traced.
+    and traced (``graphs``: where the traced launches will run, ``policy.decode_splits``).
     """
     N = b.shape[1]
     if statically_known_true(a.shape[0] == 0) or statically_known_true(N == 0):
         return torch.empty((a.shape[0], N), dtype=out_dtype, device=a.device)
-    fake = _traced(a)
-    scale_a, scale_b, bias, azp_adj, azp = (_flat(t, fake) for t in (scale_a, scale_b, bias, azp_adj, azp))
+    fake = traced(a)
+    scale_a, scale_b, bias, azp_adj, azp = (flat(t, fake) for t in (scale_a, scale_b, bias, azp_adj, azp))
     flags = dict(
-        SCALE_A_PER_TOKEN=_per_element(scale_a),
-        SCALE_B_PER_CHANNEL=_per_element(scale_b),
+        SCALE_A_PER_TOKEN=per_element(scale_a),
+        SCALE_B_PER_CHANNEL=per_element(scale_b),
         HAS_BIAS=bias is not None,
         AZP=0 if azp_adj is None else (1 if azp is None else 2),
         RAW_ACC=out_dtype in ACC_DTYPES,
@@ -495,7 +441,7 @@ def launch_scaled_mm(
     if cublas and statically_known_true(M > FP8_CUBLAS_ABOVE_M):
         config = CUBLAS
     elif config is None and all(map(is_concrete_int, (M, N, K))):  # eager, or a static trace
-        split = decode_splits(fake, symbolic_m=False)
+        split = decode_splits(fake, False, graphs)
         # M = 1 only here: Dynamo specializes sizes 0 and 1, so a traced M = 1 is static (an
         # unbacked or exported M that is 1 at run time takes the tiles of its bucket)
         if gemv_allowed(a, b) and gemv_fills(int(N), a.device):
@@ -518,12 +464,12 @@ def launch_scaled_mm(
         def launch():
             return run(config, *(args[i] for i in present))
     else:  # a symbolic size: the config of M's bucket, picked at run time
-        split = decode_splits(fake, symbolic_m=not is_concrete_int(M))
+        split = decode_splits(fake, not is_concrete_int(M), graphs)
         choices = bucket_choices(N, K, a.dtype, a.device, azp_adj is not None, split)
         if cublas:
             choices = choices_then(choices, FP8_CUBLAS_ABOVE_M, CUBLAS)
 
         def launch():
-            return _by_m(choices, run, tuple(args[i] for i in present), GRAPH_SYMBOLS.get())
+            return by_m(choices, run, tuple(args[i] for i in present), GRAPH_SYMBOLS.get())
 
     return on_device(a, fake, launch)

@@ -1,9 +1,9 @@
 """The ``torch.ops.fusepass.*`` custom ops; importing this package registers them."""
 
 from .scaled_mm import int_mm, scaled_mm, scaled_mm_azp
-from .blockwise import scaled_mm_blockwise, scaled_mm_blockwise_dynamic  # (after scaled_mm: it adds its ops to IMPLS)
-from .group import scaled_mm_group  # (likewise)
-from .dynamic import scaled_mm_dynamic  # (likewise)
+from .blockwise import scaled_mm_blockwise, scaled_mm_blockwise_dynamic
+from .group import scaled_mm_group
+from .dynamic import scaled_mm_dynamic
 from . import sharding  # noqa: F401  (after the ops exist) registers their DTensor sharding rules
 
 __all__ = ["int_mm", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise", "scaled_mm_blockwise_dynamic", "scaled_mm_dynamic",

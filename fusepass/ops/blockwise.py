@@ -62,9 +62,9 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..kernels.blockwise_launch import gemv_quantizes_groups, launch_gemv_quantized_groups, launch_scaled_mm_blockwise
-from . import eager, reference
-from .checks import BLOCK, check_blockwise_dynamic_args, check_out_dtype, check_scaled_mm_blockwise_args
-from .scaled_mm import register, _plain_eager
+from . import reference
+from .checks import BLOCK, check_blockwise_dynamic_args, check_scaled_mm_blockwise_args
+from .registry import call, define, launch_graphs
 
 Tensor = torch.Tensor
 OP = "fusepass.scaled_mm_blockwise"
@@ -83,10 +83,15 @@ def scaled_mm_blockwise_impl(
     # CPU and meta: the reference; K = 0 anywhere: the empty sum, i.e. the bias alone.
     if a.device.type != "cuda" or statically_known_true(a.shape[1] == 0):
         return reference.scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)
-    return launch_scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)
+    return launch_scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias, graphs=launch_graphs(a))
 
 
-register("scaled_mm_blockwise", scaled_mm_blockwise_impl)
+def scaled_mm_blockwise_fake(a, b, scale_a, scale_b, out_dtype, bias=None):
+    check_scaled_mm_blockwise_args(OP, a, b, scale_a, scale_b, out_dtype, bias)
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+define("scaled_mm_blockwise", scaled_mm_blockwise_impl, scaled_mm_blockwise_fake)
 
 
 def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
@@ -99,10 +104,7 @@ def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
     ``w_scale.t()``). out_dtype: bfloat16, float16 or float32. bias: [N] or None.
     Returns a contiguous [M, N] tensor. Same as ``torch.ops.fusepass.scaled_mm_blockwise``.
     """
-    if _plain_eager(a, b, scale_a, scale_b, bias):
-        return eager.call(scaled_mm_blockwise_impl, a, b, scale_a, scale_b, out_dtype, bias)
-    check_out_dtype(OP, out_dtype)  # (the dispatcher's own error is less clear)
-    return torch.ops.fusepass.scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias)
+    return call("scaled_mm_blockwise", scaled_mm_blockwise_impl, (a, b, scale_a, scale_b, out_dtype, bias), out_dtype)
 
 
 # --- fusepass::scaled_mm_blockwise_dynamic ---------------------------------------------------
@@ -149,20 +151,17 @@ def scaled_mm_blockwise_dynamic_impl(
     return scaled_mm_blockwise_impl(q, b, scale_a, scale_b, out_dtype, bias)
 
 
-register("scaled_mm_blockwise_dynamic", scaled_mm_blockwise_dynamic_impl)
-
-
-@torch.library.register_fake("fusepass::scaled_mm_blockwise_dynamic")
-def _scaled_mm_blockwise_dynamic_fake(x, b, scale_b, out_dtype, bias=None, floor=torch.finfo(torch.float32).eps):
+def scaled_mm_blockwise_dynamic_fake(x, b, scale_b, out_dtype, bias=None, floor=torch.finfo(torch.float32).eps):
     check_blockwise_dynamic_args(OP_DYNAMIC, x, b, scale_b, out_dtype, bias, floor)
     return x.new_empty((x.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+define("scaled_mm_blockwise_dynamic", scaled_mm_blockwise_dynamic_impl, scaled_mm_blockwise_dynamic_fake)
 
 
 def scaled_mm_blockwise_dynamic(x, b, scale_b, out_dtype, bias=None, floor=torch.finfo(torch.float32).eps) -> Tensor:
     """``x`` (float [M, K]) quantized per 1x128 group to e4m3 (scale ``max(amax, floor) / 448``),
     then ``scaled_mm_blockwise``: see the comment above. Same as
     ``torch.ops.fusepass.scaled_mm_blockwise_dynamic``."""
-    if _plain_eager(x, b, scale_b, bias):
-        return eager.call(scaled_mm_blockwise_dynamic_impl, x, b, scale_b, out_dtype, bias, floor)
-    check_out_dtype(OP_DYNAMIC, out_dtype)
-    return torch.ops.fusepass.scaled_mm_blockwise_dynamic(x, b, scale_b, out_dtype, bias, floor)
+    return call("scaled_mm_blockwise_dynamic", scaled_mm_blockwise_dynamic_impl, (x, b, scale_b, out_dtype, bias, floor),
+                out_dtype)

@@ -36,22 +36,22 @@ MIN_CAPABILITY = (8, 0)
 MIN_FP8_CAPABILITY = (8, 9)
 
 
-def _describe(t: torch.Tensor) -> str:
+def describe(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device}"
 
 
-def _names(dtypes) -> str:
+def names(dtypes) -> str:
     return ", ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
-def _check_tensor(op: str, name: str, t, dtypes) -> None:
+def check_tensor(op: str, name: str, t, dtypes) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{op}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
-        raise TypeError(f"{op}: `{name}` must have dtype {_names(dtypes)}; got {_describe(t)}")
+        raise TypeError(f"{op}: `{name}` must have dtype {names(dtypes)}; got {describe(t)}")
 
 
-def _is_vector_of(t: torch.Tensor, length, axis: int) -> bool:
+def is_vector_of(t: torch.Tensor, length, axis: int) -> bool:
     """True for [length] or, with axis 0 / 1, the 2-D [length, 1] / [1, length]."""
     if t.dim() == 1:
         return t.shape[0] == length
@@ -61,15 +61,15 @@ def _is_vector_of(t: torch.Tensor, length, axis: int) -> bool:
     return False
 
 
-def _check_scale(op: str, name: str, t, length, axis: int) -> None:
-    _check_tensor(op, name, t, SCALE_DTYPES)
+def check_scale(op: str, name: str, t, length, axis: int) -> None:
+    check_tensor(op, name, t, SCALE_DTYPES)
     per_tensor = t.numel() == 1 and t.dim() <= 2
-    if not (per_tensor or _is_vector_of(t, length, axis)):
+    if not (per_tensor or is_vector_of(t, length, axis)):
         shapes = f"[{length}, 1] or [{length}]" if axis == 0 else f"[1, {length}] or [{length}]"
         what = f"row of `a` (M = {length})" if axis == 0 else f"column of `b` (N = {length})"
         raise ValueError(
             f"{op}: `{name}` must hold one value (per-tensor) or one per {what}: "
-            f"numel 1, or shape {shapes}; got {_describe(t)}"
+            f"numel 1, or shape {shapes}; got {describe(t)}"
         )
 
 
@@ -102,19 +102,19 @@ def check_gpu(op: str, device: torch.device, dtype: torch.dtype) -> None:
 def check_out_dtype(op: str, out_dtype) -> None:
     if not isinstance(out_dtype, torch.dtype) or out_dtype not in OUT_DTYPES:
         what = "" if isinstance(out_dtype, torch.dtype) else f" ({type(out_dtype).__name__}, not a torch.dtype)"
-        raise TypeError(f"{op}: `out_dtype` must be one of {_names(OUT_DTYPES)}; got {out_dtype!r}{what}")
+        raise TypeError(f"{op}: `out_dtype` must be one of {names(OUT_DTYPES)}; got {out_dtype!r}{what}")
 
 
 def _check_operands(op: str, a, b, in_dtypes) -> tuple:
     """``a`` [M, K] and ``b`` [K, N] of one supported dtype; returns (M, K, N)."""
-    _check_tensor(op, "a", a, in_dtypes)
-    _check_tensor(op, "b", b, in_dtypes)
+    check_tensor(op, "a", a, in_dtypes)
+    check_tensor(op, "b", b, in_dtypes)
     if b.dtype != a.dtype:
-        raise TypeError(f"{op}: `b` must have the dtype of `a` ({a.dtype}); got {_describe(b)}")
+        raise TypeError(f"{op}: `b` must have the dtype of `a` ({a.dtype}); got {describe(b)}")
     if a.dim() != 2:
-        raise ValueError(f"{op}: `a` must be 2-D [M, K]; got {_describe(a)}")
+        raise ValueError(f"{op}: `a` must be 2-D [M, K]; got {describe(a)}")
     if b.dim() != 2:
-        raise ValueError(f"{op}: `b` must be 2-D [K, N]; got {_describe(b)}")
+        raise ValueError(f"{op}: `b` must be 2-D [K, N]; got {describe(b)}")
     M, K = a.shape
     if b.shape[0] != K:
         raise ValueError(
@@ -124,7 +124,7 @@ def _check_operands(op: str, a, b, in_dtypes) -> tuple:
     return M, K, b.shape[1]
 
 
-def _check_devices(op: str, tensors: dict) -> None:
+def check_devices(op: str, tensors: dict) -> None:
     """Every tensor on the device of the first (the op's activation, named so in the error)."""
     first, ref = next(iter(tensors.items()))
     for name, t in tensors.items():
@@ -135,7 +135,7 @@ def _check_devices(op: str, tensors: dict) -> None:
             )
 
 
-def _check_k(op: str, K, max_k: int) -> None:
+def check_k(op: str, K, max_k: int) -> None:
     if K > max_k:
         raise ValueError(
             f"{op}: K = {K} is too large for exact int32 accumulation of int8 products "
@@ -143,21 +143,21 @@ def _check_k(op: str, K, max_k: int) -> None:
         )
 
 
-def _check_bias(op: str, bias, N, tensors: dict) -> None:
+def check_bias(op: str, bias, N, tensors: dict) -> None:
     """``bias`` is None or [N] of an output dtype; adds it to ``tensors`` (for the device check)."""
     if bias is None:
         return
-    _check_tensor(op, "bias", bias, BIAS_DTYPES)
+    check_tensor(op, "bias", bias, BIAS_DTYPES)
     if bias.dim() != 1 or bias.shape[0] != N:
-        raise ValueError(f"{op}: `bias` must be [N] with N = {N}; got {_describe(bias)}")
+        raise ValueError(f"{op}: `bias` must be [N] with N = {N}; got {describe(bias)}")
     tensors["bias"] = bias
 
 
 def check_int_mm_args(op: str, a, b) -> None:
     """Validate the arguments of ``int_mm``."""
     _, K, _ = _check_operands(op, a, b, (torch.int8,))
-    _check_devices(op, {"a": a, "b": b})
-    _check_k(op, K, MAX_K_INT8)
+    check_devices(op, {"a": a, "b": b})
+    check_k(op, K, MAX_K_INT8)
     check_gpu(op, a.device, a.dtype)
 
 
@@ -177,28 +177,28 @@ def check_scaled_mm_args(
     """Validate the arguments of ``scaled_mm`` (``with_azp=False``) or ``scaled_mm_azp``."""
     M, K, N = _check_operands(op, a, b, (torch.int8,) if with_azp else INPUT_DTYPES)
     check_out_dtype(op, out_dtype)
-    _check_scale(op, "scale_a", scale_a, M, 0)
-    _check_scale(op, "scale_b", scale_b, N, 1)
+    check_scale(op, "scale_a", scale_a, M, 0)
+    check_scale(op, "scale_b", scale_b, N, 1)
     tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b}
-    _check_bias(op, bias, N, tensors)
+    check_bias(op, bias, N, tensors)
     if with_azp:
-        _check_tensor(op, "azp_adj", azp_adj, AZP_DTYPES)
-        if not _is_vector_of(azp_adj, N, 1):
+        check_tensor(op, "azp_adj", azp_adj, AZP_DTYPES)
+        if not is_vector_of(azp_adj, N, 1):
             raise ValueError(
-                f"{op}: `azp_adj` must be [N] or [1, N] with N = {N}; got {_describe(azp_adj)}"
+                f"{op}: `azp_adj` must be [N] or [1, N] with N = {N}; got {describe(azp_adj)}"
             )
         tensors["azp_adj"] = azp_adj
         if azp is not None:
-            _check_tensor(op, "azp", azp, AZP_DTYPES)
-            if not _is_vector_of(azp, M, 0):
+            check_tensor(op, "azp", azp, AZP_DTYPES)
+            if not is_vector_of(azp, M, 0):
                 raise ValueError(
                     f"{op}: `azp` (per-token zero point) must be [M] or [M, 1] with M = {M}; "
-                    f"got {_describe(azp)}"
+                    f"got {describe(azp)}"
                 )
             tensors["azp"] = azp
-    _check_devices(op, tensors)
+    check_devices(op, tensors)
     if a.dtype == torch.int8:
-        _check_k(op, K, MAX_K_INT8_AZP if with_azp else MAX_K_INT8)
+        check_k(op, K, MAX_K_INT8_AZP if with_azp else MAX_K_INT8)
     check_gpu(op, a.device, a.dtype)
 
 
@@ -216,7 +216,7 @@ def blocks(n):
 
 
 def _check_block_scale_a(op: str, t, M, K) -> None:
-    _check_tensor(op, "scale_a", t, (torch.float32,))
+    check_tensor(op, "scale_a", t, (torch.float32,))
     kb = blocks(K)
     if t.dim() == 2 and t.shape[0] == M and t.shape[1] == kb:
         return
@@ -229,12 +229,12 @@ def _check_block_scale_a(op: str, t, M, K) -> None:
         hint = f"; {t.shape[1]} groups over K = {K} would be {_ceil_div(K, t.shape[1])}-wide, not 128"
     raise ValueError(
         f"{op}: `scale_a` must be [M, ceil(K/128)] = [{M}, {kb}], one scale per row of `a` and 128-wide "
-        f"group of K (K = {K}); got {_describe(t)}{hint}"
+        f"group of K (K = {K}); got {describe(t)}{hint}"
     )
 
 
 def _check_block_scale_b(op: str, t, K, N) -> None:
-    _check_tensor(op, "scale_b", t, (torch.float32,))
+    check_tensor(op, "scale_b", t, (torch.float32,))
     kb, nb = blocks(K), blocks(N)
     if t.dim() == 2 and t.shape[0] == kb and t.shape[1] == nb:
         return
@@ -251,17 +251,17 @@ def _check_block_scale_b(op: str, t, K, N) -> None:
                 f"{_ceil_div(K, t.shape[0])}x{_ceil_div(N, t.shape[1])}, not 128x128")
     raise ValueError(
         f"{op}: `scale_b` must be [ceil(K/128), ceil(N/128)] = [{kb}, {nb}], one scale per 128x128 block of "
-        f"`b` [K, N] = [{K}, {N}]; got {_describe(t)}{hint}"
+        f"`b` [K, N] = [{K}, {N}]; got {describe(t)}{hint}"
     )
 
 
 def check_blockwise_dynamic_args(op: str, x, b, scale_b, out_dtype, bias, floor) -> None:
     """Validate the arguments of ``scaled_mm_blockwise_dynamic``: ``x`` a float [M, K] with K
     whole 128-wide groups, the rest as ``scaled_mm_blockwise``'s, ``floor`` > 0."""
-    _check_tensor(op, "x", x, (torch.bfloat16, torch.float16, torch.float32))
-    _check_tensor(op, "b", b, (torch.float8_e4m3fn,))
+    check_tensor(op, "x", x, (torch.bfloat16, torch.float16, torch.float32))
+    check_tensor(op, "b", b, (torch.float8_e4m3fn,))
     if x.dim() != 2 or b.dim() != 2 or b.shape[0] != x.shape[1]:
-        raise ValueError(f"{op}: `x` must be [M, K] and `b` [K, N]; got x {_describe(x)}, b {_describe(b)}")
+        raise ValueError(f"{op}: `x` must be [M, K] and `b` [K, N]; got x {describe(x)}, b {describe(b)}")
     K, N = b.shape
     if K % BLOCK:
         raise ValueError(f"{op}: K must be whole 128-wide groups (the activation's scales are per group); got K = {K}")
@@ -271,8 +271,8 @@ def check_blockwise_dynamic_args(op: str, x, b, scale_b, out_dtype, bias, floor)
     check_out_dtype(op, out_dtype)
     _check_block_scale_b(op, scale_b, K, N)
     tensors = {"x": x, "b": b, "scale_b": scale_b}
-    _check_bias(op, bias, N, tensors)
-    _check_devices(op, tensors)
+    check_bias(op, bias, N, tensors)
+    check_devices(op, tensors)
     check_gpu(op, x.device, b.dtype)
 
 
@@ -283,6 +283,44 @@ def check_scaled_mm_blockwise_args(op: str, a, b, scale_a, scale_b, out_dtype, b
     _check_block_scale_a(op, scale_a, M, K)
     _check_block_scale_b(op, scale_b, K, N)
     tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b}
-    _check_bias(op, bias, N, tensors)
-    _check_devices(op, tensors)
+    check_bias(op, bias, N, tensors)
+    check_devices(op, tensors)
     check_gpu(op, a.device, a.dtype)
+
+
+DYNAMIC = "fusepass.scaled_mm_dynamic"
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def valid_recipe(divisor, floor) -> bool:
+    """The op's ``divisor`` and ``floor``: numbers (not bools), ``divisor`` > 0, ``floor`` >= 0."""
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (divisor, floor))
+    return numbers and divisor > 0 and floor >= 0
+
+
+def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate=None, floor_first=None) -> None:
+    """``fusepass.scaled_mm_dynamic``'s arguments (``ops/dynamic.py``). Validate the arguments (``scaled_mm``'s checks, ``x`` in place of ``a`` and ``scale_a``)."""
+    check_tensor(DYNAMIC, "x", x, X_DTYPES)
+    if gate is not None:
+        check_tensor(DYNAMIC, "gate", gate, X_DTYPES)
+        if gate.dtype != x.dtype or gate.shape != x.shape:
+            raise ValueError(f"{DYNAMIC}: `gate` must have `x`'s dtype and shape; got gate {describe(gate)}, "
+                             f"x {describe(x)}")
+    check_tensor(DYNAMIC, "b", b, INPUT_DTYPES)
+    if x.dim() != 2 or b.dim() != 2 or b.shape[0] != x.shape[1]:
+        raise ValueError(f"{DYNAMIC}: `x` must be [M, K] and `b` [K, N]; got x {describe(x)}, b {describe(b)}")
+    check_out_dtype(DYNAMIC, out_dtype)
+    if not valid_recipe(divisor, floor):
+        raise ValueError(f"{DYNAMIC}: `divisor` must be > 0 and `floor` >= 0; got {divisor!r}, {floor!r}")
+    if not (floor_first is None or isinstance(floor_first, bool)):
+        raise ValueError(f"{DYNAMIC}: `floor_first` must be None, True or False; got {floor_first!r}")
+    K, N = b.shape
+    check_scale(DYNAMIC, "scale_b", scale_b, N, 1)
+    tensors = {"x": x, "b": b, "scale_b": scale_b}
+    if gate is not None:
+        tensors["gate"] = gate
+    check_bias(DYNAMIC, bias, N, tensors)
+    check_devices(DYNAMIC, tensors)
+    if b.dtype == torch.int8:
+        check_k(DYNAMIC, K, MAX_K_INT8)
+    check_gpu(DYNAMIC, x.device, b.dtype)

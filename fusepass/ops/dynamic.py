@@ -56,14 +56,13 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..kernels.launch import floors_first, gemv_quantizes, launch_gemv_quantized
-from .checks import (INPUT_DTYPES, MAX_K_INT8, OUT_DTYPES, _check_bias, _check_devices, _check_k, _check_scale,
-                     _check_tensor, _describe, check_gpu, check_out_dtype)
-from .scaled_mm import register, _compute, _plain_eager
+from ..kernels.launch import gemv_quantizes, launch_gemv_quantized
+from ..kernels.policy import floors_first
+from .checks import check_dynamic_args
+from .registry import call, define
+from .scaled_mm import compute
 
 Tensor = torch.Tensor
-OP = "fusepass.scaled_mm_dynamic"
-X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float,
@@ -81,40 +80,6 @@ def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float,
     return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale
 
 
-def valid_recipe(divisor, floor) -> bool:
-    """The op's ``divisor`` and ``floor``: numbers (not bools), ``divisor`` > 0, ``floor`` >= 0."""
-    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (divisor, floor))
-    return numbers and divisor > 0 and floor >= 0
-
-
-def check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate=None, floor_first=None) -> None:
-    """Validate the arguments (``scaled_mm``'s checks, ``x`` in place of ``a`` and ``scale_a``)."""
-    _check_tensor(OP, "x", x, X_DTYPES)
-    if gate is not None:
-        _check_tensor(OP, "gate", gate, X_DTYPES)
-        if gate.dtype != x.dtype or gate.shape != x.shape:
-            raise ValueError(f"{OP}: `gate` must have `x`'s dtype and shape; got gate {_describe(gate)}, "
-                             f"x {_describe(x)}")
-    _check_tensor(OP, "b", b, INPUT_DTYPES)
-    if x.dim() != 2 or b.dim() != 2 or b.shape[0] != x.shape[1]:
-        raise ValueError(f"{OP}: `x` must be [M, K] and `b` [K, N]; got x {_describe(x)}, b {_describe(b)}")
-    check_out_dtype(OP, out_dtype)
-    if not valid_recipe(divisor, floor):
-        raise ValueError(f"{OP}: `divisor` must be > 0 and `floor` >= 0; got {divisor!r}, {floor!r}")
-    if not (floor_first is None or isinstance(floor_first, bool)):
-        raise ValueError(f"{OP}: `floor_first` must be None, True or False; got {floor_first!r}")
-    K, N = b.shape
-    _check_scale(OP, "scale_b", scale_b, N, 1)
-    tensors = {"x": x, "b": b, "scale_b": scale_b}
-    if gate is not None:
-        tensors["gate"] = gate
-    _check_bias(OP, bias, N, tensors)
-    _check_devices(OP, tensors)
-    if b.dtype == torch.int8:
-        _check_k(OP, K, MAX_K_INT8)
-    check_gpu(OP, x.device, b.dtype)
-
-
 def scaled_mm_dynamic_impl(
     x: Tensor,
     b: Tensor,
@@ -128,23 +93,22 @@ def scaled_mm_dynamic_impl(
 ) -> Tensor:
     check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
     if statically_known_true(x.shape[1] == 0):
-        return _compute(x, b, None, scale_b, out_dtype, bias)  # (an empty sum: the bias alone)
+        return compute(x, b, None, scale_b, out_dtype, bias)  # (an empty sum: the bias alone)
     if x.device.type == "cuda" and gemv_quantizes(x, b, gate):
         return launch_gemv_quantized(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
     if gate is not None:
         x = torch.nn.functional.silu(gate) * x
     q, scale_a = quantize_rows(x, b.dtype, divisor, floor, floor_first)
-    return _compute(q, b, scale_a, scale_b, out_dtype, bias)
+    return compute(q, b, scale_a, scale_b, out_dtype, bias)
 
 
-register("scaled_mm_dynamic", scaled_mm_dynamic_impl)
-
-
-@torch.library.register_fake("fusepass::scaled_mm_dynamic")
-def _scaled_mm_dynamic_fake(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
-                            floor=torch.finfo(torch.float32).eps, gate=None, floor_first=None):
+def scaled_mm_dynamic_fake(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
+                           floor=torch.finfo(torch.float32).eps, gate=None, floor_first=None):
     check_dynamic_args(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
     return x.new_empty((x.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+define("scaled_mm_dynamic", scaled_mm_dynamic_impl, scaled_mm_dynamic_fake)
 
 
 def scaled_mm_dynamic(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
@@ -152,6 +116,5 @@ def scaled_mm_dynamic(x, b, scale_b, out_dtype, bias=None, divisor=127.5,
     """``x`` (float [M, K]; given ``gate``, ``silu(gate) * x``) quantized per token to ``b``'s
     dtype, then ``scaled_mm``: see the module docstring. Same as
     ``torch.ops.fusepass.scaled_mm_dynamic``."""
-    if out_dtype not in OUT_DTYPES or not _plain_eager(x, b, scale_b, bias, gate):
-        return torch.ops.fusepass.scaled_mm_dynamic(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
-    return scaled_mm_dynamic_impl(x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first)
+    return call("scaled_mm_dynamic", scaled_mm_dynamic_impl,
+                (x, b, scale_b, out_dtype, bias, divisor, floor, gate, floor_first), out_dtype, replay=False)

@@ -31,9 +31,11 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
-from ..kernels.group_launch import MAX_MEMBERS, launch_scaled_mm_group, launch_variant
+from ..kernels.group_launch import launch_scaled_mm_group
+from ..kernels.policy import MAX_MEMBERS, launch_variant
 from .checks import check_out_dtype, check_scaled_mm_args
-from .scaled_mm import register, _compute, _plain_eager
+from .registry import call, define, launch_graphs
+from .scaled_mm import compute
 
 Tensor = torch.Tensor
 OP = "fusepass.scaled_mm_group"
@@ -78,11 +80,16 @@ def scaled_mm_group_impl(
 ) -> list[Tensor]:
     check_group_args(a, b, scale_a, scale_b, out_dtype, bias)
     if a.device.type == "cuda" and not statically_known_true(a.shape[1] == 0) and one_launch(a, b, scale_b, bias):
-        return launch_scaled_mm_group(a, list(b), scale_a, list(scale_b), out_dtype, list(bias))
-    return [_compute(a, bi, scale_a, si, out_dtype, biasi) for bi, si, biasi in zip(b, scale_b, bias)]
+        return launch_scaled_mm_group(a, list(b), scale_a, list(scale_b), out_dtype, list(bias), graphs=launch_graphs(a))
+    return [compute(a, bi, scale_a, si, out_dtype, biasi) for bi, si, biasi in zip(b, scale_b, bias)]
 
 
-register("scaled_mm_group", scaled_mm_group_impl)
+def scaled_mm_group_fake(a, b, scale_a, scale_b, out_dtype, bias):
+    check_group_args(a, b, scale_a, scale_b, out_dtype, bias)
+    return [a.new_empty((a.shape[0], bi.shape[1]), dtype=out_dtype) for bi in b]
+
+
+define("scaled_mm_group", scaled_mm_group_impl, scaled_mm_group_fake)
 
 
 def scaled_mm_group(a, b, scale_a, scale_b, out_dtype, bias=None) -> list:
@@ -97,7 +104,5 @@ def scaled_mm_group(a, b, scale_a, scale_b, out_dtype, bias=None) -> list:
     if bias is None and isinstance(b, (list, tuple)):
         bias = [None] * len(b)
     _check_lists(b, scale_b, bias)
-    if _plain_eager(a, scale_a, *b, *scale_b, *bias):
-        return scaled_mm_group_impl(a, list(b), scale_a, list(scale_b), out_dtype, list(bias))
-    check_out_dtype(OP, out_dtype)  # (the dispatcher's own error is less clear)
-    return torch.ops.fusepass.scaled_mm_group(a, b, scale_a, scale_b, out_dtype, bias)
+    return call("scaled_mm_group", scaled_mm_group_impl, (a, list(b), scale_a, list(scale_b), out_dtype, list(bias)),
+                out_dtype, replay=False)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import CustomGraphPass, V, counters, get_hash_for_files, inductor_config
-from ..kernels.launch import FP8_CUBLAS_ABOVE_M, decode_splits, splitting_outside_graphs
+from ..kernels.policy import FP8_CUBLAS_ABOVE_M, Graphs, decode_splits, splitting_outside_graphs
 from .graph import Rejected, aten, location, module_path
 from .group import NAME as GROUPED, group_siblings
 from .join import NAME as JOINED, join_siblings
@@ -61,7 +61,7 @@ class PassConfig:
     # Pattern families to run, by module name (int_mm, blockwise, scaled_mm, dequant_mm).
     patterns: tuple = tuple(PATTERNS)
     # Compiled decode launches split K only inside Inductor's CUDA graphs (fusepass.kernels.
-    # launch.decode_splits): outside them each split costs a launch. True where the caller
+    # policy.decode_splits): outside them each split costs a launch. True where the caller
     # captures the compiled code into CUDA graphs itself (as vLLM and SGLang do), which Inductor
     # cannot see; it also turns quantize_in_gemv's default off.
     # (The backend applies it to op calls AOTAutograd traces too; stock Inductor with
@@ -169,7 +169,8 @@ class FusePass(CustomGraphPass):
         changed = joined or any(d.fused or d.rerouted for d in decisions)
         if changed:
             graph.eliminate_dead_code()  # (the rewritten matmuls' old forms: users of the quantized rows)
-        outside_graphs = not (self.config.split_k_outside_cuda_graphs or decode_splits(fake=True, symbolic_m=False))
+        graphs = Graphs(inductor=bool(inductor_config().triton.cudagraphs), caller=self.config.split_k_outside_cuda_graphs)
+        outside_graphs = not decode_splits(True, False, graphs)
         quantize_in = self.config.quantize_in_gemv
         quantized = (outside_graphs if quantize_in is None else quantize_in) and quantize_in_gemv(graph)
         for name in quantized or ():

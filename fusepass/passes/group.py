@@ -5,7 +5,7 @@ activation scale are the same value (the same node, or nodes computing it by the
 ops from the same inputs: each linear quantizes its input itself, so a Llama layer's q, k
 and v hold three copies of one quantization), with the same ``out_dtype``, weights of one
 layout, one scale granularity and bias or none, at a static M of at most
-``PassConfig.group_max_m`` (fp8: at most ``launch.FP8_CUBLAS_ABOVE_M``, above which its own
+``PassConfig.group_max_m`` (fp8: at most ``policy.FP8_CUBLAS_ABOVE_M``, above which its own
 launch takes cuBLAS where ``launch.cublas_takes_fp8`` holds), none computed from another's
 result.
 
@@ -16,7 +16,7 @@ Why: a default-mode decode step is host-bound, and a launch costs host time; the
 one launch where there were 2-4 (a Llama layer's q/k/v: 3 of its 7 GEMM launches). The group
 takes the config of the weight the members would make joined, with its split of K (at M <= 16
 only where decode launches split: inside CUDA graphs, with ``split_k_outside_cuda_graphs``, and
-in eager calls of the op; ``launch.decode_splits``), and so runs as ``fusepass.prepare``'s
+in eager calls of the op; ``policy.decode_splits``), and so runs as ``fusepass.prepare``'s
 joined weight does. Prefill sizes keep their
 own tuned launches (``scaled_mm``'s TMA configs).
 """
@@ -30,8 +30,7 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from .._compat import OpOverload, schema, stable_topological_sort
-from ..kernels.group_launch import MAX_MEMBERS, launch_variant
-from ..kernels.launch import FP8_CUBLAS_ABOVE_M
+from ..kernels.policy import FP8_CUBLAS_ABOVE_M, MAX_MEMBERS, launch_variant
 from .graph import Inserter, tensor_val
 
 fusepass = torch.ops.fusepass

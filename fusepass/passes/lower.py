@@ -35,8 +35,9 @@ from torch.fx.experimental.symbolic_shapes import free_symbols
 
 from .._compat import detect_fake_mode, enable_python_dispatcher, inductor_decompositions, memoize_kernel_analysis
 from ..kernels import KERNELS
-from ..kernels.launch import GRAPH_SYMBOLS, INTERPRETED
-from ..ops.scaled_mm import IMPLS
+from ..kernels.launch import INTERPRETED
+from ..kernels.policy import GRAPH_SYMBOLS
+from ..ops.registry import IMPLS
 from .graph import schema_args
 
 log = logging.getLogger("fusepass.pass")

@@ -47,8 +47,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
-from ..kernels.launch import floors_first
-from ..ops.dynamic import valid_recipe
+from ..kernels.policy import floors_first
+from ..ops.checks import valid_recipe
 from .graph import VIEW_OPS, Inserter, aten, cast_dtype, is_call, peel_views, schema_args, tensor_val
 
 fusepass = torch.ops.fusepass

@@ -259,8 +259,8 @@ def test_symbolic_m_picks_cublas_at_run_time_above_its_m(cublas_applies, monkeyp
     """The buckets above CUBLAS_ABOVE_M become one cuBLAS choice of the cond chain, which
     runs the kernel at their configs where M % 4 != 0."""
     seen = []
-    real = bl._by_m
-    monkeypatch.setattr(bl, "_by_m", lambda choices, *rest: seen.append(choices) or real(choices, *rest))
+    real = bl.by_m
+    monkeypatch.setattr(bl, "by_m", lambda choices, *rest: seen.append(choices) or real(choices, *rest))
     code = _traced(300, mode="symbolic")
     assert "torch.ops.higher_order.cond" in code and code.count("torch.ops.aten._scaled_mm.default") == 1
     assert " % 4" in code  # and at M % 4 != 0 the kernel, at run time

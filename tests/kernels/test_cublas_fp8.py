@@ -10,7 +10,8 @@ from torch.torch_version import TorchVersion
 
 from fusepass.kernels import direct, launch
 from fusepass.kernels.configs import Config
-from fusepass.kernels.launch import CUBLAS, FP8_CUBLAS_ABOVE_M, cublas_takes_fp8, launch_scaled_mm
+from fusepass.kernels.launch import CUBLAS, cublas_takes_fp8, launch_scaled_mm
+from fusepass.kernels.policy import FP8_CUBLAS_ABOVE_M
 from tests.helpers import assert_matches_oracle, fake_cuda_bias, make_problem
 
 F8 = torch.float8_e4m3fn
@@ -98,8 +99,8 @@ def test_large_m_traces_to_cublas_small_m_to_the_kernel(cublas_applies):
 
 def test_symbolic_m_picks_cublas_at_run_time_above_its_m(cublas_applies, monkeypatch):
     seen = []
-    real = launch._by_m
-    monkeypatch.setattr(launch, "_by_m", lambda choices, *rest: seen.append(choices) or real(choices, *rest))
+    real = launch.by_m
+    monkeypatch.setattr(launch, "by_m", lambda choices, *rest: seen.append(choices) or real(choices, *rest))
     code = _traced(300, mode="symbolic")
     assert "torch.ops.higher_order.cond" in code and code.count("torch.ops.aten._scaled_mm.default") == 1
     choices = seen[0]  # (then each of its recursions, one bucket fewer)

@@ -324,15 +324,25 @@ def test_decode_splits_only_where_launches_are_hidden(table_dir):
 def test_decode_splits_where_launches_are_hidden(cudagraphs, outside):
     """Traced: with Inductor's cudagraphs option, or where the pass or the backend says the
     caller captures (``splitting_outside_graphs``), never for a symbolic M (its cond runs
-    outside CUDA graphs) but then; eagerly always."""
+    outside CUDA graphs) but then; eagerly always. The op's implementation reads where its
+    launches run (``registry.launch_graphs``) and hands it to the policy."""
     from torch._inductor import config as inductor_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with inductor_config.patch({"triton.cudagraphs": cudagraphs}), launch.splitting_outside_graphs(outside):
-        assert launch.decode_splits(True, symbolic_m=False) is (cudagraphs or outside)
-        assert launch.decode_splits(True, symbolic_m=True) is outside
-        assert launch.decode_splits(False, symbolic_m=False) is True
+    from fusepass.kernels.policy import NO_GRAPHS, Graphs, decode_splits, splitting_outside_graphs
+    from fusepass.ops.registry import launch_graphs
+
+    graphs = Graphs(inductor=cudagraphs, caller=outside)
+    assert decode_splits(True, False, graphs) is (cudagraphs or outside)
+    assert decode_splits(True, True, graphs) is outside
+    assert decode_splits(False, False, NO_GRAPHS) is True
+    with FakeTensorMode():
+        fake = torch.empty(2, 2)
+    real = torch.empty(2, 2)
+    with inductor_config.patch({"triton.cudagraphs": cudagraphs}), splitting_outside_graphs(outside):
+        assert launch_graphs(fake) == graphs and launch_graphs(real) == NO_GRAPHS
     with inductor_config.patch({"triton.cudagraphs": cudagraphs}):  # (the context undone)
-        assert launch.decode_splits(True, symbolic_m=False) is cudagraphs
+        assert launch_graphs(fake) == Graphs(inductor=cudagraphs)
 
 
 @pytest.mark.parametrize("outside", [False, True])
@@ -343,10 +353,12 @@ def test_the_pass_hands_its_split_decision_to_the_launches(outside, monkeypatch)
     import fusepass
     from fusepass.passes import fuse_pass
 
+    from fusepass.kernels.policy import SPLIT_OUTSIDE_GRAPHS
+
     seen = []
-    monkeypatch.setattr(fuse_pass, "lower", lambda graph: seen.append(launch.SPLIT_OUTSIDE_GRAPHS.get()) or 0)
+    monkeypatch.setattr(fuse_pass, "lower", lambda graph: seen.append(SPLIT_OUTSIDE_GRAPHS.get()) or 0)
     fusepass.FusePass(fusepass.PassConfig(split_k_outside_cuda_graphs=outside))(fx.Graph())
-    assert seen == [outside] and launch.SPLIT_OUTSIDE_GRAPHS.get() is False
+    assert seen == [outside] and SPLIT_OUTSIDE_GRAPHS.get() is False
 
 
 def test_launch_asks_for_the_split_the_policy_gives(monkeypatch):

@@ -10,7 +10,8 @@ from torch._inductor.graph import GraphLowering
 
 import fusepass
 from fusepass.kernels.configs import select_config
-from fusepass.kernels.launch import FP8_CUBLAS_ABOVE_M, launch_scaled_mm
+from fusepass.kernels.launch import launch_scaled_mm
+from fusepass.kernels.policy import FP8_CUBLAS_ABOVE_M
 from tests.helpers import CUBLAS_CALL, assert_matches_oracle, make_problem, require_sm90
 
 pytestmark = pytest.mark.gpu
@@ -64,7 +65,7 @@ def test_gpu_large_m_runs_cublas(M, N, K, recipe, bias_dtype, out_dtype):
 
 
 def test_gpu_a_strided_scale_is_copied_then_runs_cublas():
-    """A per-token scale that is a column of a wider tensor: the op copies it (``_flat``), runs
+    """A per-token scale that is a column of a wider tensor: the op copies it (``launch.flat``), runs
     cuBLAS, and records nothing (the copy is not the caller's tensor), so each call is right."""
     for seed in (0, 1):
         p = make_problem(512, 4096, 4096, F8, device="cuda", seed=seed)

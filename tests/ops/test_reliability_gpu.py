@@ -47,7 +47,7 @@ def test_cuda_graph_capture_and_replay(variant, M):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_graph_and_eager_agree_bitwise_at_decode(variant):
-    # An eager call and a captured one take the same config (launch.decode_splits: a warm-up
+    # An eager call and a captured one take the same config (policy.decode_splits: a warm-up
     # outside the capture compiles the kernel the capture launches): the same bits. (int8 sums
     # exactly whatever the split: fp8's fp32 sum is what would tell two configs apart.)
     p = make_problem(16, 4096, 4096, device="cuda", bias_dtype=torch.float32, **VARIANTS[variant])

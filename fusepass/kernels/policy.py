@@ -1,0 +1,94 @@
+"""Launch policy: the thresholds and decisions that say which kernel, split and grouping a
+fused GEMM takes, each computed from what it is given (no global read here). The launchers
+(``launch.py``, ``blockwise_launch.py``, ``group_launch.py``) carry the decisions out; the
+pass and the backend import them from here. The measured reasons are in
+``docs/PERFORMANCE.md``.
+
+Also what a tracer tells the launches it traces (context variables, set by the pass and the
+backend): the graph's size symbols, and whether the caller captures the compiled code into
+CUDA graphs of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+
+# Above this M, an fp8 product runs as cuBLAS's torch._scaled_mm where that call takes it
+# (``launch.cublas_takes_fp8``), and the pass leaves fp8 matmuls to it (``PassConfig.fp8_max_m``):
+# the kernel was the faster up to M = 64, cuBLAS above (docs/PERFORMANCE.md, "One linear at a time").
+FP8_CUBLAS_ABOVE_M = 64
+
+# The grouped kernel's member arguments: at most this many siblings share one launch.
+MAX_MEMBERS = 4
+
+
+@dataclass(frozen=True)
+class Graphs:
+    """Where a traced launch will run: inside Inductor's CUDA graphs (its ``triton.cudagraphs``
+    option, e.g. ``mode="reduce-overhead"``), or inside CUDA graphs its caller captures itself
+    (``splitting_outside_graphs``; as vLLM and SGLang do). Eager launches: neither."""
+
+    inductor: bool = False
+    caller: bool = False
+
+
+NO_GRAPHS = Graphs()
+
+
+def decode_splits(fake: bool, symbolic_m: bool, graphs: Graphs) -> bool:
+    """Whether a decode launch may split K (the configs' ``split_decode``).
+
+    Eagerly: yes. A warm-up outside a stream capture must compile the kernel the capture
+    then launches (a Triton compile inside a capture can fail), and the counters come zeroed
+    from the last launch on the stream (``direct.split_scratch``). Traced: where its launches
+    run inside CUDA graphs (``graphs``); outside them each split costs a launch. In Inductor's
+    graphs not for a symbolic M: its ``cond`` is control flow, which Inductor keeps out of its
+    CUDA graphs (torch 2.13's graph partition)."""
+    return not fake or graphs.caller or (graphs.inductor and not symbolic_m)
+
+
+def floors_first(dtype: torch.dtype, floor_first: bool | None = None) -> bool:
+    """Whether a per-token scale is ``max(amax, floor) / divisor`` (else ``max(amax / divisor,
+    floor)``): ``floor_first``, or where None the dtype's own recipe (e4m3's; int8 divides first)."""
+    return dtype == torch.float8_e4m3fn if floor_first is None else bool(floor_first)
+
+
+def per_element(v: torch.Tensor | None) -> bool:
+    """A scale (or zero point) with one value per row or column, not one for the tensor."""
+    return v is not None and not statically_known_true(v.numel() == 1)
+
+
+def launch_variant(b: torch.Tensor, scale_b: torch.Tensor, bias) -> tuple | None:
+    """What every member of one grouped launch must share: the weight's strides (the kernel
+    takes one pair), scale granularity and bias or none. None where a stride is symbolic."""
+    strides = b.stride()
+    if not all(map(is_concrete_int, strides)):
+        return None
+    return tuple(map(int, strides)), per_element(scale_b), bias is None
+
+
+# Set by whoever traces the ops for code that its caller captures into CUDA graphs itself
+# (the fusepass pass and backend, from ``PassConfig.split_k_outside_cuda_graphs``).
+SPLIT_OUTSIDE_GRAPHS: ContextVar[bool] = ContextVar("fusepass_split_outside_graphs", default=False)
+
+
+@contextlib.contextmanager
+def splitting_outside_graphs(on: bool):
+    """Traced decode launches split K outside Inductor's CUDA graphs too while this is on."""
+    token = SPLIT_OUTSIDE_GRAPHS.set(on)
+    try:
+        yield
+    finally:
+        SPLIT_OUTSIDE_GRAPHS.reset(token)
+
+
+# The size symbols of the graph being lowered (SymInts), set by fusepass.passes.lower while
+# it traces an op. Each cond takes them as operands: Inductor compiles its branches as
+# subgraphs, which can compute a size like s0*s1 (the rows of a reshaped 3-D activation)
+# only from symbols passed in.
+GRAPH_SYMBOLS: ContextVar[tuple] = ContextVar("fusepass_graph_symbols", default=())
