@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled_mm import _bias, _epilogue, _scaled
+from .scaled_mm import add_bias, apply_scale_b, epilogue
 
 
 @triton.jit
@@ -219,10 +219,10 @@ def scaled_gemv_kernel(
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
     if QUANT:  # the row's scale in a register, then the epilogue's other steps, in its order
-        x = _bias(_scaled(acc[None, :].to(tl.float32), x_scale, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL),
+        x = add_bias(apply_scale_b(acc[None, :].to(tl.float32), x_scale, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL),
                   offs_n, bias_ptr, HAS_BIAS)
     else:
-        x = _epilogue(
+        x = epilogue(
             acc[None, :], rows, offs_n,
             scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
             SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,

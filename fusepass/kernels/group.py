@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .gemv import gemv_rows
-from .scaled_mm import _epilogue, k_slice, pointer_mainloop, split_k_sum
+from .scaled_mm import epilogue, k_slice, pointer_mainloop, split_k_sum
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _member_tile(
         acc, cols, offs_n = gemv_rows(pid_n, a_ptr, b_ptr, N, K, stride_ak, stride_bn, BLOCK_N, BLOCK_K, EVEN_K,
                                       1.0, False, None, False, DP4A)
         rows = tl.zeros((1,), dtype=tl.int64)
-        x = _epilogue(acc[None, :], rows, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
+        x = epilogue(acc[None, :], rows, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
                       SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)
         tl.store(out_ptr + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
     else:
@@ -71,7 +71,7 @@ def _member_tile(
             slab = partial_ptr + tl.cast(M, tl.int64) * col0 * SPLIT_K
             last, acc = split_k_sum(acc, slab, tickets_ptr, rows, cols, mask, M, N, SPLIT_K)
         if last:
-            x = _epilogue(acc, offs_m, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
+            x = epilogue(acc, offs_m, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
                           SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)
             tl.store(out_ptr + rows[:, None] * N + cols[None, :], x.to(out_ptr.dtype.element_ty), mask=mask)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .scaled_mm import _epilogue, grouped_tile, mma
+from .scaled_mm import epilogue, grouped_tile, mma
 
 
 @triton.jit
@@ -40,7 +40,7 @@ def _store_half(
     HALF_N: tl.constexpr, OUT_DTYPE: tl.constexpr,
 ):
     offs_n = (col0.to(tl.int64) + tl.arange(0, HALF_N)) % N  # (HALF_N,), wrapped into range
-    x = _epilogue(
+    x = epilogue(
         acc, offs_m, offs_n,
         scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
         SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,

@@ -52,7 +52,7 @@ _ZP_MAX, _COLSUM_MAX, _ADJ_MAX = (tl.constexpr(v) for v in (ZERO_POINT_MAX, COLS
 
 
 @triton.jit
-def _epilogue(
+def epilogue(
     acc,  # (BLOCK_M, BLOCK_N) int32 or fp32
     offs_m, offs_n,  # (BLOCK_M,), (BLOCK_N,) int64, already wrapped into range
     scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
@@ -84,14 +84,14 @@ def _epilogue(
             sa = tl.load(scale_a_ptr + offs_m).to(tl.float32)[:, None]
         else:
             sa = tl.load(scale_a_ptr).to(tl.float32)
-        x = _scaled(acc.to(tl.float32), sa, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL)
+        x = apply_scale_b(acc.to(tl.float32), sa, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL)
         if refused is not None:
             x = tl.where(refused, float("nan"), x)
-    return _bias(x, offs_n, bias_ptr, HAS_BIAS)
+    return add_bias(x, offs_n, bias_ptr, HAS_BIAS)
 
 
 @triton.jit
-def _scaled(x, sa, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL: tl.constexpr):
+def apply_scale_b(x, sa, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL: tl.constexpr):
     """``x`` (fp32) times ``sa * scale_b``: the scales' product first, the value's own scale
     (``acc * sa`` alone can pass fp32's range where the value does not; ``ops/reference.py``)."""
     if SCALE_B_PER_CHANNEL:
@@ -100,7 +100,7 @@ def _scaled(x, sa, offs_n, scale_b_ptr, SCALE_B_PER_CHANNEL: tl.constexpr):
 
 
 @triton.jit
-def _bias(x, offs_n, bias_ptr, HAS_BIAS: tl.constexpr):
+def add_bias(x, offs_n, bias_ptr, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         x = x + tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
     return x
@@ -221,7 +221,7 @@ def scaled_mm_kernel(
     if SPLIT_K > 1:
         last, acc = split_k_sum(acc, partial_ptr, tickets_ptr, rows, cols, mask, M, N, SPLIT_K)
     if last:
-        x = _epilogue(
+        x = epilogue(
             acc, offs_m, offs_n,
             scale_a_ptr, scale_b_ptr, bias_ptr, azp_adj_ptr, azp_ptr,
             SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, AZP, RAW_ACC,
