@@ -1,5 +1,6 @@
 """The fusion pass: Inductor ``CustomGraphPass`` that rewrites quantized matmul epilogues
-into fusepass op calls (``run``), then lowers those calls to the kernels they launch
+into fusepass op calls, joins, groups and tidies them (``PIPELINE``: the steps in order, each
+with the config that enables it), then lowers those calls to the kernels they launch
 (``lower.py``), so that Inductor's generated code launches them itself.
 
 Hook point: ``post_grad_custom_pre_pass``, i.e. on the functional, decomposed ATen graph,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -134,6 +136,95 @@ def _describe(node: fx.Node) -> str:
     return " x ".join(parts)
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step of the pass: ``fn(graph, config)`` rewrites the graph and returns the names of
+    what it changed, each counted as ``counters["fusepass"][name]`` and logged (DEBUG) with
+    ``message``; it runs where ``enabled(config)``. A ``tidy`` step (dead code, lint) runs
+    where an earlier step changed the graph since its last run."""
+
+    name: str
+    fn: Callable
+    enabled: Callable = lambda config: True
+    message: str = ""
+    tidy: bool = False
+
+    def uuid(self, config: PassConfig) -> str:
+        return f"{self.name}:{'on' if self.tidy or self.enabled(config) else 'off'}"
+
+
+def fuse_patterns(graph: fx.Graph, config: PassConfig) -> list[Decision]:
+    """The patterns step: each matmul node tried against ``config.patterns`` in order; the
+    first that recognizes it decides (fused, left with the reason, or routed)."""
+    decisions = []
+    for node in list(graph.nodes):
+        if getattr(node, "_erased", False) or node.op != "call_function":
+            continue
+        for pattern in (PATTERNS[name] for name in config.patterns):
+            d = _try(graph, node, pattern, config) if node.target in pattern.ANCHORS else None
+            if d is not None:
+                decisions.append(d)
+                break
+    return decisions
+
+
+def _try(graph: fx.Graph, node: fx.Node, pattern, config: PassConfig) -> Decision | None:
+    target = str(node.target).replace(".default", "")
+    d = Decision(node.name, module_path(node), target, _describe(node), location(node))
+    try:
+        cand = pattern.match(node, config)
+        if cand is None:
+            return None
+        d.op = cand.op_name
+        emit(graph, cand)
+    except Rejected as e:
+        d.op, d.reason = None, str(e)
+        log.debug("fusepass: left %s (%s) alone: %s", node.name, d.shapes, d.reason)
+        if needs_route(node):
+            route(graph, node)
+            d.rerouted = "fusepass.int_mm"
+            count(ROUTED)
+            log.debug("fusepass: %s runs on fusepass.int_mm (torch._int_mm cannot run it on CUDA)", d.node)
+        return d
+    d.pattern, d.reason = cand.pattern, cand.ep.stop
+    count(cand.pattern)
+    log.debug("fusepass: fused %s (%s) into %s [%s]%s", d.node, d.shapes, d.op, d.pattern,
+              f", in part: {d.reason}" if d.reason else "")
+    return d
+
+
+def _quantizes_in_gemv(config: PassConfig) -> bool:
+    """``config.quantize_in_gemv``, or where None, whether the launches run outside CUDA graphs."""
+    if config.quantize_in_gemv is not None:
+        return config.quantize_in_gemv
+    graphs = Graphs(inductor=bool(inductor_config().triton.cudagraphs), caller=config.split_k_outside_cuda_graphs)
+    return not decode_splits(True, False, graphs)
+
+
+# The pass, in order. Each later step works on the fused ops the patterns emitted: joins and
+# groups first (they take whole calls), then the quantization moved into M = 1 launches
+# (which needs its row's only user), then the copies of one quantization shared (last, so that
+# an in-launch quantization still finds its row). The lowering to kernel launches follows
+# (``FusePass.__call__``).
+PIPELINE = (
+    Step("patterns", fuse_patterns, lambda config: bool(config.patterns)),
+    Step(JOINED, lambda graph, config: [", ".join(n) for n in join_siblings(graph)],
+         lambda config: config.join_siblings, "run as one matmul over their shared weight buffer"),
+    Step(GROUPED, lambda graph, config: [", ".join(n) for n in group_siblings(graph, config.group_max_m)],
+         lambda config: config.group_max_m > 0, "run as one fusepass.scaled_mm_group launch"),
+    Step("dead_code", lambda graph, config: graph.eliminate_dead_code(), tidy=True),
+    Step(QUANTIZED_IN, lambda graph, config: quantize_in_gemv(graph), _quantizes_in_gemv,
+         "quantizes its activation in its own launch"),
+    Step(QUANTIZED_GROUPS_IN, lambda graph, config: quantize_groups_in_gemv(graph),
+         lambda config: config.quantize_groups_in_gemv,
+         "becomes scaled_mm_blockwise_dynamic (its M = 1 kernel, where it runs, quantizes the row's 128-wide groups)"),
+    Step(SHARED, lambda graph, config: share_activations(graph), lambda config: config.share_activations,
+         "reads an earlier copy of its quantized activation"),
+    Step("dead_code", lambda graph, config: graph.eliminate_dead_code(), tidy=True),
+    Step("lint", lambda graph, config: graph.lint(), tidy=True),
+)
+
+
 class FusePass(CustomGraphPass):
     """Rewrite every fusable quantized matmul + epilogue in a graph into a fusepass op."""
 
@@ -149,81 +240,37 @@ class FusePass(CustomGraphPass):
                 graph.lint()
 
     def run(self, graph: fx.Graph) -> list[Decision]:
-        decisions = []
-        for node in list(graph.nodes):
-            if getattr(node, "_erased", False) or node.op != "call_function":
+        """The ``PIPELINE``'s steps in order, each where its config enables it; returns the
+        decisions of the first (the patterns)."""
+        decisions, changes, tidied = [], 0, {}
+        for step in PIPELINE:
+            if step.tidy:
+                if changes > tidied.get(step.name, 0):
+                    step.fn(graph, self.config)
+                    tidied[step.name] = changes
                 continue
-            for pattern in (PATTERNS[name] for name in self.config.patterns):
-                d = self._try(graph, node, pattern) if node.target in pattern.ANCHORS else None
-                if d is not None:  # the first pattern that recognizes the matmul decides
-                    decisions.append(d)
-                    break
-        joined = self.config.join_siblings and join_siblings(graph)
-        for names in joined or ():
-            count(JOINED)
-            log.debug("fusepass: %s run as one matmul over their shared weight buffer", ", ".join(names))
-        if self.config.group_max_m > 0:
-            for names in group_siblings(graph, self.config.group_max_m):
-                count(GROUPED)
-                log.debug("fusepass: %s run as one %s launch", ", ".join(names), "fusepass.scaled_mm_group")
-        changed = joined or any(d.fused or d.rerouted for d in decisions)
-        if changed:
-            graph.eliminate_dead_code()  # (the rewritten matmuls' old forms: users of the quantized rows)
-        graphs = Graphs(inductor=bool(inductor_config().triton.cudagraphs), caller=self.config.split_k_outside_cuda_graphs)
-        outside_graphs = not decode_splits(True, False, graphs)
-        quantize_in = self.config.quantize_in_gemv
-        quantized = (outside_graphs if quantize_in is None else quantize_in) and quantize_in_gemv(graph)
-        for name in quantized or ():
-            count(QUANTIZED_IN)
-            log.debug("fusepass: %s quantizes its activation in its own launch", name)
-        groups = self.config.quantize_groups_in_gemv and quantize_groups_in_gemv(graph)
-        for name in groups or ():
-            count(QUANTIZED_GROUPS_IN)
-            log.debug("fusepass: %s becomes scaled_mm_blockwise_dynamic (its M = 1 kernel, where it runs, quantizes "
-                      "the row's 128-wide groups)", name)
-        quantized = (quantized or []) + (groups or [])
-        # Last, so that an in-launch quantization (one user a row) still finds its row: the
-        # copies of one quantization that no join, group or launch took
-        shared = self.config.share_activations and share_activations(graph)
-        for name in shared or ():
-            count(SHARED)
-            log.debug("fusepass: %s reads an earlier copy of its quantized activation", name)
-        if quantized or shared:
-            graph.eliminate_dead_code()
-        if changed or quantized or shared:
-            graph.lint()
+            if not step.enabled(self.config):
+                continue
+            done = step.fn(graph, self.config) or []
+            if step is PIPELINE[0]:  # (decisions, counted by pattern as they are made)
+                decisions = done
+                changes += sum(d.fused or d.rerouted is not None for d in done)
+                continue
+            for name in done:
+                changes += 1
+                count(step.name)
+                log.debug("fusepass: %s %s", name, step.message)
         return decisions
 
-    def _try(self, graph: fx.Graph, node: fx.Node, pattern) -> Decision | None:
-        target = str(node.target).replace(".default", "")
-        d = Decision(node.name, module_path(node), target, _describe(node), location(node))
-        try:
-            cand = pattern.match(node, self.config)
-            if cand is None:
-                return None
-            d.op = cand.op_name
-            emit(graph, cand)
-        except Rejected as e:
-            d.op, d.reason = None, str(e)
-            log.debug("fusepass: left %s (%s) alone: %s", node.name, d.shapes, d.reason)
-            if needs_route(node):
-                route(graph, node)
-                d.rerouted = "fusepass.int_mm"
-                count(ROUTED)
-                log.debug("fusepass: %s runs on fusepass.int_mm (torch._int_mm cannot run it on CUDA)", d.node)
-            return d
-        d.pattern, d.reason = cand.pattern, cand.ep.stop
-        count(cand.pattern)
-        log.debug("fusepass: fused %s (%s) into %s [%s]%s", d.node, d.shapes, d.op, d.pattern,
-                  f", in part: {d.reason}" if d.reason else "")
-        return d
-
     def uuid(self) -> bytes:
-        # The choices in force too: the backend compiles with DecodeReductionChoices, stock
-        # Inductor with its own, and Inductor's own key does not tell them apart (choices.py).
+        # Every file the steps and the lowering read (_SOURCES), the steps in force with
+        # their config, and the choices in force: the backend compiles with
+        # DecodeReductionChoices, stock Inductor with its own, and Inductor's own key does not
+        # tell them apart (choices.py).
         choices = type(V.choices)
         handler_uuid = getattr(V.choices, "uuid", lambda: None)()  # (a handler with state of its own)
-        return get_hash_for_files(_SOURCES, extra=f"{type(self).__name__}|{self.config!r}|{choices.__module__}."
+        steps = ",".join(step.uuid(self.config) for step in PIPELINE)
+        return get_hash_for_files(_SOURCES, extra=f"{type(self).__name__}|{steps}|{self.config!r}|{choices.__module__}."
                                                   f"{choices.__qualname__}|{handler_uuid}")
 
 

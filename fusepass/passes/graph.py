@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .._compat import detect_fake_mode, schema as op_schema
+from .._compat import OpOverload, detect_fake_mode, schema as op_schema
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -260,3 +260,50 @@ class Inserter:
         for t in tensors[1:]:
             out = self.call(aten.mul.Tensor, out, t)
         return out
+
+
+def _pure(node: fx.Node) -> bool:
+    """An ATen or prims op without mutation or randomness (a custom op may hide either)."""
+    t = node.target
+    return (node.op == "call_function" and isinstance(t, OpOverload)
+            and t.namespace in ("aten", "prims")
+            and not op_schema(t).is_mutable and torch.Tag.nondeterministic_seeded not in t.tags)
+
+
+def _frozen(arg, ids: dict):
+    """A hashable stand-in for an argument: nodes by value id, lists as tuples, numbers with
+    their type (1, 1.0 and True are equal in Python, not as arguments; nor are 0.0 and -0.0)."""
+    if isinstance(arg, fx.Node):
+        return ("node", ids[arg])
+    if isinstance(arg, (list, tuple)):
+        return tuple(_frozen(x, ids) for x in arg)
+    if isinstance(arg, dict):
+        return tuple(sorted((k, _frozen(v, ids)) for k, v in arg.items()))
+    if isinstance(arg, (bool, int, float)):
+        return (type(arg).__name__, repr(arg))
+    try:
+        hash(arg)
+        return arg
+    except TypeError:
+        return repr(arg)
+
+
+def _meta(node: fx.Node):
+    """The node's value type: dtype, shape and strides (where they are numbers)."""
+    v = node.meta.get("val")
+    if not isinstance(v, torch.Tensor):
+        return None
+    return (v.dtype, repr(tuple(v.shape)), repr(v.stride()))
+
+
+def value_ids(graph: fx.Graph) -> dict:
+    """Node -> an id that two nodes share when they compute the same value: the same pure
+    op on arguments of the same ids (hash-consing, one pass in graph order)."""
+    ids, table = {}, {}
+    for node in graph.nodes:
+        if _pure(node):
+            key = (node.target, _frozen(node.args, ids), _frozen(node.kwargs, ids), _meta(node))
+            ids[node] = table.setdefault(key, len(table))
+        else:
+            ids[node] = table.setdefault(("node", id(node)), len(table))
+    return ids

@@ -26,8 +26,7 @@ import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers torch.ops.fusepass.*)
 from ..kernels.blockwise import BLOCK
-from .graph import VIEW_OPS, Inserter, aten, is_call, peel_views, prims, schema_args, tensor_val
-from .group import value_ids
+from .graph import VIEW_OPS, Inserter, aten, is_call, peel_views, prims, schema_args, tensor_val, value_ids
 
 fusepass = torch.ops.fusepass
 NAME = "joined_siblings"

@@ -6,7 +6,7 @@ a node earlier in the graph (every node operand is looked at; in practice the qu
 activation, its scale and zero points, which each hand-written W8A8 linear computes itself:
 a Llama layer's q, k and v hold three copies of one quantization, its gate and up two). Any M.
 A quantization that goes through a multi-output op (``x.abs().max(dim=-1)``: the op and its
-``getitem``) is not one value to this pass, as in ``group.value_ids``.
+``getitem``) is not one value to this pass, as in ``graph.value_ids``.
 
 Becomes: the call reads the earliest such node instead (the first in graph order, so before
 every call it replaces an operand of); the copies go dead.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from .._compat import OpOverload
-from .group import value_ids
+from .graph import value_ids
 
 NAME = "shared_activation"
 
