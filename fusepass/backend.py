@@ -4,7 +4,7 @@
     torch.compile(model, options=fusepass.inductor_options())   # stock Inductor + the pass
 
 Both keep Inductor's FX graph cache on: the pass is a CustomGraphPass with a uuid(). The
-backend also compiles with Inductor choices of its own (``passes/choices.py``). Tensor-subclass
+backend also compiles with Inductor choices of its own (``choices.py``). Tensor-subclass
 weights (torchao's) it compiles as AOTAutograd gives them; ``fusepass.prepare(model)`` turns
 them into plain tensors once, which is what takes their per-call cost away
 (``integrations/prepare.py``).
@@ -24,7 +24,7 @@ from ._compat import (
 )
 from .kernels.policy import splitting_outside_graphs
 from .passes import FusePass, PassConfig, RewritePass
-from .passes.choices import decode_reductions
+from .choices import decode_reductions
 from .passes.fuse_pass import INDUCTOR_PREFIX
 
 log = logging.getLogger("fusepass")
@@ -137,7 +137,7 @@ _HINTED = False
 def fusepass_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
     """The ``fusepass`` backend: Inductor with the fusion pass; takes ``mode=``/``options=``
     as ``torch.compile`` passes them (e.g. ``mode="reduce-overhead"`` for CUDA graphs).
-    Inductor keeps decode-size row reductions in one kernel here (``passes/choices.py``).
+    Inductor keeps decode-size row reductions in one kernel here (``choices.py``).
 
     On an FX-graph-cache hit the pass does not run; ``counters["fusepass"]`` is filled
     from the counts Inductor replays from the cache entry (see ``fuse_pass.count``)."""

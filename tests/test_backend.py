@@ -240,7 +240,7 @@ def test_fx_graph_cache_hits_in_a_new_process_and_misses_on_new_config(tmp_path)
     assert second["hit"] >= 1 and second["miss"] == 0 and second["inductor_counted"] == 2
     assert second["rewrites"] == 0  # stock Inductor does not know counters["fusepass"] (README)
     assert changed["miss"] >= 1 and changed["hit"] == 0 and changed["rewrites"] == 2
-    # The fusepass backend compiles under its own Inductor choices (passes/choices.py), so it
+    # The fusepass backend compiles under its own Inductor choices (fusepass/choices.py), so it
     # has its own entry; on a hit of it, it restores counters["fusepass"] from the replayed counts.
     backend_first, backend = run("backend"), run("backend")
     assert backend_first["miss"] >= 1 and backend_first["hit"] == 0 and backend_first["rewrites"] == 2

@@ -143,7 +143,7 @@ def test_decode_splits_k_only_in_cuda_graphs():
 def test_decode_row_reductions_take_one_launch():
     """A per-row int8 quantization of a 14336-wide activation at M = 1 (a W8A8 down_proj's
     input) is one kernel under the backend, where stock Inductor on sm90 splits its amax into
-    three launches (fusepass/passes/choices.py); the same values either way (max is exact)."""
+    three launches (fusepass/choices.py); the same values either way (max is exact)."""
     import fusepass
 
     x = torch.randn(1, 14336, generator=torch.Generator().manual_seed(0)).to("cuda", torch.bfloat16)

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 import fusepass
 from fusepass.backend import capture_backend
-from fusepass.integrations.linear import Act, quantize_rows
+from fusepass.integrations.linear import Act, quantize_input
 from fusepass.passes import FusePass, PassConfig
 from fusepass.passes.join import NAME as JOINED
 from fusepass.passes.quantize_in import NAME as QUANTIZED_IN
@@ -158,7 +158,7 @@ def test_prepare_fp8_per_row_weights():
     report = fusepass.prepare(model)
     assert report.converted == {"0": "fp8"}
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    q, s, _ = quantize_rows(x, Act("fp8"))
+    q, s, _ = quantize_input(x, Act("fp8"))
     expected = (q.double() * s.double()) @ (w.qdata.double() * w.scale.double()).t() + lin.bias.double()
     out = model(x)
     assert out.dtype == torch.bfloat16

@@ -327,9 +327,9 @@ def test_k_past_int32s_exact_range_runs_in_parts(quant):
     fusepass.prepare(model)
     lin = model[0]
     x = torch.randn(2, K, dtype=torch.bfloat16)
-    from fusepass.integrations.linear import quantize_rows
+    from fusepass.integrations.linear import quantize_input
 
-    q, s, zp = quantize_rows(x, lin.act)
+    q, s, zp = quantize_input(x, lin.act)
     acc = q.double() @ lin.weight.double().t()
     if zp is not None:
         acc = acc - zp.double()[:, None] * lin.weight.double().sum(1)[None, :]
@@ -490,3 +490,20 @@ def test_a_model_with_linears_left_keeps_its_source_config_and_says_so(bf16_mode
     assert list(report.left) == ["model.layers.0.mlp.down_proj"]
     assert getattr(model.config, "quantization_config", None) is before
     assert "save_pretrained of this model writes its source format's config" in caplog.text
+
+
+def test_the_traced_body_is_keyed_by_every_file_its_forms_come_from():
+    """``w8a8_linear``'s ``source`` argument keys AOTAutograd's cache: the hash of the files
+    its traced forms come from, the ops' quantization recipes among them (one recipe each)."""
+    import hashlib
+    import inspect
+    from pathlib import Path
+
+    from fusepass.integrations import linear
+    from fusepass.kernels.policy import floors_first
+    from fusepass.ops.blockwise import quantize_groups
+    from fusepass.ops.dynamic import quantize_rows
+
+    used = {inspect.getsourcefile(f) for f in (linear.quantize_input, quantize_rows, quantize_groups, floors_first)}
+    assert used <= set(linear.TRACED_FROM)
+    assert linear.SOURCE == hashlib.sha256(b"".join(Path(f).read_bytes() for f in linear.TRACED_FROM)).hexdigest()[:16]

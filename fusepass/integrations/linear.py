@@ -23,16 +23,22 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from .._compat import exporting
+from ..kernels import policy
 from ..kernels.blockwise import BLOCK  # (fp8-block: the group width, and the weight's block side)
+from ..ops import blockwise as blockwise_op, dynamic as dynamic_op
+from ..ops.blockwise import quantize_groups
 from ..ops.checks import MAX_K_INT8, MAX_K_INT8_AZP
+from ..ops.dynamic import quantize_rows
 
 # float32's eps: torchao's floor for a per-token scale (an all-zero row quantizes to zeros)
 SCALE_EPS = torch.finfo(torch.float32).eps
+FP8_MAX = 448.0  # e4m3's largest value: an fp8 row's divisor
 
 
 @dataclass(frozen=True)
@@ -67,34 +73,29 @@ class Act:
                              f"got {self.ceiling!r} for {self.kind!r}")
 
 
-def quantize_rows(x: torch.Tensor, act: Act, input_scale: torch.Tensor | None = None):
+def quantize_input(x: torch.Tensor, act: Act, input_scale: torch.Tensor | None = None):
     """``x`` (M, K) quantized per row: (q (M, K), scale (M, 1) fp32, zero point (M,) int32
     or None); for ``fp8-block`` per 128-wide group, scale (M, K / 128); for ``fp8-static`` by
-    ``input_scale``, scale (1, 1). Computed in fp32 whatever ``x``'s dtype."""
-    xf = x.float()
+    ``input_scale``, scale (1, 1). Computed in fp32 whatever ``x``'s dtype; int8 and fp8 rows by
+    the ops' one recipe (``ops.dynamic.quantize_rows``), fp8-block groups by theirs
+    (``ops.blockwise.quantize_groups``): the forms the pass finds and moves into the M = 1
+    kernels."""
     if act.kind == "fp8-static":
         scale = input_scale.float().reshape(1, 1)
-        return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None
+        return (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None
     if act.kind == "fp8-block":
-        groups = xf.unflatten(-1, (-1, BLOCK))  # (M, K / 128, 128)
-        scale = groups.abs().amax(dim=-1).clamp(min=act.floor) / 448.0  # (M, K / 128)
-        q = (groups / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-        return q.flatten(-2), scale, None
+        return *quantize_groups(x, act.floor), None
     if act.kind == "int8-asym":
+        xf = x.float()
         lo, hi = xf.aminmax(dim=-1, keepdim=True)
         lo, hi = lo.clamp(max=0), hi.clamp(min=0)  # (the range holds 0: zero stays exact)
         scale = nan_if_infinite(((hi - lo) / 255).clamp(min=SCALE_EPS))
         zp = (-128 - (lo / scale).round()).clamp(-128, 127)
         q = ((xf / scale).round() + zp).clamp(-128, 127).to(torch.int8)
         return q, scale, zp.to(torch.int32).reshape(-1)
-    amax = xf.abs().amax(dim=-1, keepdim=True)
     if act.kind == "fp8":
-        # (without a ceiling the form quantize_in.py matches, as before: one clamp_min)
-        bounded = amax.clamp(min=act.floor) if act.ceiling is None else amax.clamp(act.floor, act.ceiling)
-        scale = bounded / 448.0
-        return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale, None
-    scale = nan_if_infinite((amax / act.divisor).clamp(min=SCALE_EPS))
-    return (xf / scale).round().clamp(-128, 127).to(torch.int8), scale, None
+        return *quantize_rows(x, torch.float8_e4m3fn, FP8_MAX, act.floor, ceiling=act.ceiling), None
+    return *quantize_rows(x, torch.int8, act.divisor, SCALE_EPS), None
 
 
 def bad_input_scale(t: torch.Tensor | None) -> str | None:
@@ -399,10 +400,12 @@ class _WithGradient(torch.autograd.Function):
 # took twice bf16's. CompositeImplicitAutograd: AOTAutograd traces the op into the ATen forms
 # below, the graph the pass matches, as if the forward had been traced. Not part of the
 # ops' contract (``docs/OPS.md``): a way to trace, its schema free to change.
-# ``source``: this file's hash. AOTAutograd's cache keys Dynamo's graph, which holds the node
-# and not its body: without it a second process would be served the forms of an older body.
+# ``source``: the hash of every file the body's forms come from (this one, the ops' quantization
+# recipes and the policy they read). AOTAutograd's cache keys Dynamo's graph, which holds the
+# node and not its body: without it a second process would be served the forms of an older body.
 # (Under torch.export the forward traces those forms itself: no node.)
-SOURCE = hashlib.sha256(__loader__.get_data(__file__)).hexdigest()[:16]
+TRACED_FROM = (__file__, dynamic_op.__file__, blockwise_op.__file__, policy.__file__)
+SOURCE = hashlib.sha256(b"".join(Path(f).read_bytes() for f in TRACED_FROM)).hexdigest()[:16]
 _LIB = torch.library.Library("fusepass", "FRAGMENT")
 _LIB.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? colsum, Tensor? bias, "
             "Tensor? input_scale, int lo, int hi, str kind, float divisor, float floor, float? ceiling, "
@@ -412,7 +415,7 @@ _LIB.define("w8a8_linear(Tensor x, Tensor weight, Tensor weight_scale, Tensor? c
 def _operands(x, weight, lo, hi, act: Act, input_scale=None):
     """``x``'s rows quantized by ``act`` (q (M, K), its scale, zero point or None) and rows
     [lo, hi) of ``weight`` as (K, N), column-major: the forward's operands, eager or traced."""
-    return *quantize_rows(x.reshape(-1, x.shape[-1]), act, input_scale), weight[lo:hi].t()
+    return *quantize_input(x.reshape(-1, x.shape[-1]), act, input_scale), weight[lo:hi].t()
 
 
 def _traced(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, kind, divisor, floor, ceiling, source):

@@ -129,7 +129,8 @@ def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None) -> Tensor:
 
 def quantize_groups(x: Tensor, floor: float) -> tuple[Tensor, Tensor]:
     """``x`` (M, K) quantized per 1x128 group to e4m3: (q (M, K), scale (M, K / 128) fp32), in
-    fp32 whatever ``x``'s dtype: ``integrations/linear.quantize_rows``'s fp8-block recipe."""
+    fp32 whatever ``x``'s dtype: the one group recipe (``integrations/linear.quantize_input``'s
+    fp8-block)."""
     groups = x.float().unflatten(-1, (-1, BLOCK))
     scale = groups.abs().amax(dim=-1).clamp(min=floor) / 448.0
     q = (groups / scale.unsqueeze(-1)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)

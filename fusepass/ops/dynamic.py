@@ -66,14 +66,20 @@ Tensor = torch.Tensor
 
 
 def quantize_rows(x: Tensor, dtype: torch.dtype, divisor: float, floor: float,
-                  floor_first: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+                  floor_first: Optional[bool] = None, ceiling: Optional[float] = None) -> tuple[Tensor, Tensor]:
     """``x`` (M, K) quantized per row to ``dtype`` (int8 or float8_e4m3fn): (q, scale (M, 1) fp32)
-    (``floor_first``: the module docstring). The int8 and fp8 forms of
-    ``integrations/linear.quantize_rows`` (a test holds them equal), written again there: a prepared linear's traced body keys AOTAutograd's cache by that file
-    alone."""
+    (``floor_first``: the module docstring; ``ceiling``: where the floor comes first, an upper
+    bound on a row's amax too, FBGEMM FP8's ``activation_scale_ub``). The one per-row recipe:
+    ``fusepass.prepare``'s linears quantize with it (``integrations/linear.quantize_input``)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = amax.clamp(min=floor) / divisor if floors_first(dtype, floor_first) else (amax / divisor).clamp(min=floor)
+    if floors_first(dtype, floor_first):
+        scale = (amax.clamp(min=floor) if ceiling is None else amax.clamp(floor, ceiling)) / divisor
+    elif ceiling is not None:
+        raise ValueError(f"quantize_rows: a ceiling bounds the amax where the floor comes first; got {ceiling!r} with "
+                         "floor_first False")
+    else:
+        scale = (amax / divisor).clamp(min=floor)
     if dtype == torch.float8_e4m3fn:
         return (xf / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), scale
     scale = torch.where(scale.isinf(), float("nan"), scale)  # (linear.nan_if_infinite: why)

@@ -40,7 +40,8 @@ log = logging.getLogger("fusepass.pass")
 # to, with their tuned configs: all go into uuid(), so a changed one misses the FX cache.
 _PKG = Path(__file__).resolve().parent.parent
 _SOURCES = tuple(sorted(
-    str(p) for d in ("passes", "ops", "kernels") for p in (_PKG / d).rglob("*") if p.suffix in (".py", ".json")
+    [str(p) for d in ("passes", "ops", "kernels") for p in (_PKG / d).rglob("*") if p.suffix in (".py", ".json")]
+    + [str(_PKG / "choices.py")]  # (the backend's Inductor choices)
 ))
 
 

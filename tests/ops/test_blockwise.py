@@ -195,14 +195,14 @@ def test_dynamic_rejects(change, exc, message):
 
 
 def test_quantize_groups_is_the_prepared_linears_recipe():
-    """The op's group quantization and a prepared fp8-block linear's (written twice: the
-    linear's traced body is keyed by its own file's hash) give the same values and scales."""
-    from fusepass.integrations.linear import Act, quantize_rows
+    """A prepared fp8-block linear quantizes its input with the op's group recipe and its own
+    floor: the same values and scales."""
+    from fusepass.integrations.linear import Act, quantize_input
     from fusepass.ops.blockwise import quantize_groups
 
     x = torch.randn(3, 384, generator=torch.Generator().manual_seed(0)).to(BF16)
     x[1, :128] = 0.0
     act = Act("fp8-block")
-    q, s, _ = quantize_rows(x, act)
+    q, s, _ = quantize_input(x, act)
     q2, s2 = quantize_groups(x, act.floor)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)

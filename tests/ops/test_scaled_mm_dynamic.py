@@ -7,7 +7,7 @@ import torch
 
 import fusepass
 from fusepass.integrations.linear import SCALE_EPS, Act
-from fusepass.integrations.linear import quantize_rows as module_rows
+from fusepass.integrations.linear import quantize_input as module_rows
 from fusepass.kernels import launch
 from fusepass.ops.dynamic import quantize_rows, scaled_mm_dynamic
 from tests.helpers import DIVISOR, quantized_row_bound, quantizing_launch_and_reference

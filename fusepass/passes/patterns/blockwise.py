@@ -20,7 +20,7 @@
 
    with the groups spread by ``repeat_interleave(128, d)``, ``unsqueeze/expand/reshape``, or
    a broadcast against a grouped view (``x.view(M, -1, 128) * s[..., None]``), sliced to a
-   ragged K or N (``passes/layout.py`` reads them); a per-token ``S_a`` (or a per-tensor one
+   ragged K or N (``patterns/layout.py`` reads them); a per-token ``S_a`` (or a per-tensor one
    at M = 1) or a per-tensor ``S_w`` may stand where the other operand is blocked. Then any
    epilogue.
 
@@ -45,23 +45,19 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ...ops.checks import BLOCK, blocks
-from .. import layout
+from . import layout
 from ..epilogue import Epilogue, walk
 from ..graph import (
     FLOAT_DTYPES, QUANT_DTYPES, VIEW_OPS, Axis, Inserter, Rejected, aten, cast_dtype, classify, classify_or_none,
     describe, is_call, provably_equal, tensor_val, users,
 )
 from ..rewrite import Candidate, check_operands
+from . import scaled_mm_args
 
-V2 = getattr(aten, "_scaled_mm_v2", None)  # torch >= 2.12
-ANCHORS = (aten._scaled_mm.default, aten.mm.default, aten.addmm.default) + ((V2.default,) if V2 is not None else ())
+ANCHORS = scaled_mm_args.ANCHORS + (aten.mm.default, aten.addmm.default)
 NAMES = ("scaled_mm_blockwise", "dequant_mm_blockwise")
-_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
-_ARGS_V2 = ("self", "mat2", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b", "swizzle_b", "bias",
-            "out_dtype", "contraction_dim", "use_fast_accum")
 _SCALING = getattr(torch.nn.functional, "ScalingType", None)  # with _scaled_mm_v2
 _BLOCK_1x128, _BLOCK_128x128 = (int(_SCALING.BlockWise1x128), int(_SCALING.BlockWise128x128)) if _SCALING else (4, 5)
-_NO_SWIZZLE = ([], [0])
 FP8 = (torch.float8_e4m3fn,)
 
 
@@ -109,9 +105,7 @@ def match(node, config) -> Candidate | None:
 def _scaled_mm_args(node) -> dict | None:
     """The arguments (by ``_scaled_mm``'s names) of a 1x128 x 128x128 block-wise scaled matmul,
     with ``scale_b_rows`` the rows of ``scale_b`` to keep; None for another recipe."""
-    names = _ARGS if node.target is aten._scaled_mm.default else _ARGS_V2
-    args = dict(zip(names, node.args))
-    args.update(node.kwargs)
+    args = scaled_mm_args.arguments(node)
     va, vb = tensor_val(args["self"]), tensor_val(args["mat2"])
     M, K, N = va.shape[0], va.shape[1], vb.shape[1]
     kb, nb = blocks(K), blocks(N)
@@ -123,16 +117,9 @@ def _scaled_mm_args(node) -> dict | None:
             return None
         args["scale_b_rows"] = None
         return args
-    if (list(args["recipe_a"]), list(args["recipe_b"])) != ([_BLOCK_1x128], [_BLOCK_128x128]):
+    if (args["recipe_a"], args["recipe_b"]) != ([_BLOCK_1x128], [_BLOCK_128x128]) or None in (args["scale_a"],
+                                                                                              args["scale_b"]):
         return None
-    for side in ("a", "b"):
-        if len(args[f"scale_{side}"]) != 1:
-            return None
-        if list(args.get(f"swizzle_{side}") or []) not in _NO_SWIZZLE:
-            raise Rejected(f"F.scaled_mm with swizzled block scales for {side}")
-        args[f"scale_{side}"] = args[f"scale_{side}"][0]
-    if list(args.get("contraction_dim") or []):
-        raise Rejected("F.scaled_mm with explicit contraction dims")
     if provably_equal(tensor_val(args["scale_b"]).shape[0], kb):
         args["scale_b_rows"] = None
     elif is_concrete_int(kb):  # cuBLAS pads scale_b's K blocks to a multiple of 4
@@ -156,9 +143,8 @@ def _match_scaled_mm(node, config) -> Candidate | None:
     # multiple of 4 (torch 2.11, H200: 14-31% of sum |a*b|): fused
     # at every M there.
     cublas_wrong = node.target is aten._scaled_mm.default and is_concrete_int(K) and blocks(int(K)) % 4 != 0
-    if out.device.type == "cuda" and not cublas_wrong and (not is_concrete_int(M) or int(M) > config.fp8_max_m):
-        raise Rejected(f"an fp8 matmul with M = {M}: kept on cuBLAS above M = {config.fp8_max_m}, as every fp8 "
-                       "torch._scaled_mm (PassConfig.fp8_max_m)")
+    if out.device.type == "cuda" and not cublas_wrong:
+        scaled_mm_args.check_fp8_m(M, config)
     ep = walk(node, Epilogue(bias=args.get("bias"), block_scaled=True))
     return BlockwiseCandidate("scaled_mm_blockwise", node, a, b, ep, scale_a=_fp32(args["scale_a"]),
                               scale_b=_fp32(args["scale_b"], args["scale_b_rows"]))

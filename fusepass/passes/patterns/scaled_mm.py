@@ -22,41 +22,25 @@ DeepSeek-V3's 1x128 x 128x128 recipe), float8_e5m2.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from ..epilogue import Epilogue, walk
-from ..graph import Axis, Rejected, aten, classify, describe, tensor_val
+from ..graph import Axis, Rejected, classify, describe, tensor_val
 from ..rewrite import Candidate, check_operands
+from . import scaled_mm_args
 
-V2 = getattr(aten, "_scaled_mm_v2", None)  # torch >= 2.12
-ANCHORS = (aten._scaled_mm.default,) + ((V2.default,) if V2 is not None else ())
+ANCHORS = scaled_mm_args.ANCHORS
 NAMES = ("scaled_mm_fp8_epilogue", "scaled_mm_fp8_direct")
-_ARGS = ("self", "mat2", "scale_a", "scale_b", "bias", "scale_result", "out_dtype", "use_fast_accum")
-_ARGS_V2 = ("self", "mat2", "scale_a", "recipe_a", "swizzle_a", "scale_b", "recipe_b", "swizzle_b", "bias",
-            "out_dtype", "contraction_dim", "use_fast_accum")
-# torch.nn.functional.ScalingType / SwizzleType values
-_TENSOR_OR_ROW_WISE = ([0], [1])
-_NO_SWIZZLE = ([], [0])
+_TENSOR_OR_ROW_WISE = ([0], [1])  # torch.nn.functional.ScalingType values
 
 
 def _arguments(node) -> dict:
-    """The matmul's arguments by ``_scaled_mm``'s names, whichever op it is."""
-    if node.target is aten._scaled_mm.default:
-        args = dict(zip(_ARGS, node.args))
-        args.update(node.kwargs)
-        return args
-    args = dict(zip(_ARGS_V2, node.args))
-    args.update(node.kwargs)
+    """The matmul's arguments (``scaled_mm_args.arguments``), its scales tensor- or row-wise."""
+    args = scaled_mm_args.arguments(node)
     for side in ("a", "b"):
-        scales, recipe, swizzle = args[f"scale_{side}"], list(args[f"recipe_{side}"]), list(args.get(f"swizzle_{side}", []))
-        if len(scales) != 1 or recipe not in _TENSOR_OR_ROW_WISE:
+        recipe = args.get(f"recipe_{side}")
+        if recipe is not None and (args[f"scale_{side}"] is None or recipe not in _TENSOR_OR_ROW_WISE):
             raise Rejected(f"scaled_mm with the scale recipe {recipe} for {side}: only tensor-wise and row-wise "
                            "scales fuse (block-wise ones do not)")
-        if swizzle not in _NO_SWIZZLE:
-            raise Rejected(f"scaled_mm with swizzled scales for {side}")
-        args[f"scale_{side}"] = scales[0]
-    if list(args.get("contraction_dim") or []):
-        raise Rejected("scaled_mm with explicit contraction dims")
     return args
 
 
@@ -75,11 +59,6 @@ def match(node, config) -> Candidate:
             raise Rejected(f"{name} ({describe(scale)}) is not a tensor-wise or {allowed.value} fp32 scale")
         ep.add_factor(scale, axis)
     ep.bias = args.get("bias")
-    M = shape[0]
-    if not is_concrete_int(M) or int(M) > config.fp8_max_m:
-        raise Rejected(
-            f"an fp8 matmul with M = {M}: kept on cuBLAS, which is faster than the fused kernel "
-            f"above M = {config.fp8_max_m} (PassConfig.fp8_max_m)"
-        )
+    scaled_mm_args.check_fp8_m(shape[0], config)
     ep = walk(node, ep)
     return Candidate("scaled_mm_fp8_epilogue" if ep.arithmetic else "scaled_mm_fp8_direct", node, a, b, ep)

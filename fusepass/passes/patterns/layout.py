@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from .graph import FLOAT_DTYPES, VIEW_OPS, aten, cast_dtype, is_call, provably_equal, tensor_val
+from ..graph import FLOAT_DTYPES, VIEW_OPS, aten, cast_dtype, is_call, provably_equal, tensor_val
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Inductor's choices under the fusepass backend (fusepass/passes/choices.py): a decode-size
+"""Inductor's choices under the fusepass backend (fusepass/choices.py): a decode-size
 CUDA row reduction stays one kernel; everything else is Inductor's own rule."""
 
 import pytest
@@ -7,7 +7,7 @@ from torch._inductor.choices import InductorChoices
 from torch._inductor.virtualized import V
 
 import fusepass
-from fusepass.passes.choices import DecodeReductionChoices, decode_reductions
+from fusepass.choices import DecodeReductionChoices, decode_reductions
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from .._compat import InductorChoices, V
+from ._compat import InductorChoices, V
 
 log = logging.getLogger(__name__)
 
