@@ -229,24 +229,18 @@ class _Walker:
 
     def _fold(self, cur: fx.Node, user: fx.Node):
         """``step``'s work: a function that folds ``user`` in, None where it is no step, or
-        Rejected (from here or the helpers) where it is a step this epilogue cannot take."""
-        ep = self.ep
+        Rejected (from here or the helpers) where it is a step this epilogue cannot take. One
+        method per kind of op; the order of the checks is the walk's rules."""
         shape = list(tensor_val(cur).shape)
         out = tensor_val(user) if isinstance(user.meta.get("val"), torch.Tensor) else None
         if out is None or len(out.shape) != len(shape) and not is_call(user, *VIEW_OPS):
             return None
-        if cast_dtype(user) is not None:  # to float, or widening int32 -> int64 (exact)
-            if _rewidens(cur, user) and _computed_on(user) and not self._leads_to_a_step(user):
-                return None
-            widening = cast_dtype(user) == torch.int64 and tensor_val(cur).dtype == torch.int32
-            return _noop if cast_dtype(user) in FLOAT_DTYPES or widening else None
+        if cast_dtype(user) is not None:
+            return self._fold_cast(cur, user)
         if is_call(user, aten.clone.default):
             return None if user.kwargs.get("memory_format") else _noop
         if is_call(user, *VIEW_OPS):
-            if (len(out.shape) in (2, 3) and provably_equal(out.shape[-1], shape[-1])
-                    and provably_equal(out.numel(), tensor_val(cur).numel())):
-                return lambda: setattr(ep, "view", user if len(out.shape) == 3 else None)
-            return None
+            return self._fold_view(cur, user, out, shape)
         if not all(provably_equal(a, b) for a, b in zip(out.shape, shape)):
             return None  # broadcasts the value up: not elementwise on it
         if is_call(user, aten.sub.Tensor) and user.args[0] is cur and user.kwargs.get("alpha", 1) == 1:
@@ -254,39 +248,66 @@ class _Walker:
         if out.dtype not in FLOAT_DTYPES:
             return None  # integer arithmetic (could wrap): not a dequantization step
         if is_call(user, aten.mul.Tensor, aten.mul.Scalar):
-            other = _other(user, cur)
-            if other is None:
-                raise Rejected("the value is squared")
-            _check_device(other, self.device, "a multiplier")  # mixed devices: never fused
-            try:
-                factors = self.factors(other, shape)
-            except Rejected:
-                if ep.scaled:
-                    return None  # the dequantization is complete; a different op follows
-                raise
-            if ep.scaled and provably_equal(shape[0], 1) and any(
-                    axis is Axis.COL and _from_a_product(f) for f, axis in factors):
-                # At M = 1 an activation's [1, N] row reads as a column vector: the SiLU'd gate
-                # times up, which would make up depend on gate and keep them from joining. Not a
-                # step, as the same product at M > 1 ([M, N]) is none: the epilogue ends whole.
-                return None
-            if ep.bias is not None:
-                raise Rejected("a multiply follows the bias add; the fused epilogue adds the bias last")
-            if ep.block_scaled and any(axis is Axis.COL for _, axis in factors):
-                raise Rejected("a per-channel multiply follows a block-wise matmul, whose weight scales are per "
-                               "128x128 block")
-            return lambda: [ep.add_factor(f, axis) for f, axis in factors]
+            return self._fold_mul(cur, user, shape)
         if is_call(user, aten.add.Tensor) and user.kwargs.get("alpha", 1) == 1:
-            other = _other(user, cur)
-            if not ep.scaled or not isinstance(other, fx.Node):
-                return None
-            if classify_or_none(other, shape) is not Axis.COL or tensor_val(other).dtype not in FLOAT_DTYPES:
-                return None  # e.g. a residual add: the epilogue ends before it
-            if ep.bias is not None:
-                raise Rejected("a second [N] vector is added; the fused epilogue adds one bias")
-            _check_device(other, self.device, "the bias")
-            return lambda: setattr(ep, "bias", other)
+            return self._fold_add(cur, user, shape)
         return None
+
+    def _fold_cast(self, cur: fx.Node, user: fx.Node):
+        """A cast: to a float, or widening int32 -> int64 (exact), a no-op step; a cast back to
+        a wider float after a rounding, computed on and leading to no step, ends the walk."""
+        if _rewidens(cur, user) and _computed_on(user) and not self._leads_to_a_step(user):
+            return None
+        widening = cast_dtype(user) == torch.int64 and tensor_val(cur).dtype == torch.int32
+        return _noop if cast_dtype(user) in FLOAT_DTYPES or widening else None
+
+    def _fold_view(self, cur: fx.Node, user: fx.Node, out, shape):
+        """A view that keeps the rows' width and the elements: 2-D, or 3-D (the op's output
+        viewed back)."""
+        if (len(out.shape) in (2, 3) and provably_equal(out.shape[-1], shape[-1])
+                and provably_equal(out.numel(), tensor_val(cur).numel())):
+            return lambda: setattr(self.ep, "view", user if len(out.shape) == 3 else None)
+        return None
+
+    def _fold_mul(self, cur: fx.Node, user: fx.Node, shape):
+        """A multiply by scale factors (per row, column or tensor)."""
+        ep = self.ep
+        other = _other(user, cur)
+        if other is None:
+            raise Rejected("the value is squared")
+        _check_device(other, self.device, "a multiplier")  # mixed devices: never fused
+        try:
+            factors = self.factors(other, shape)
+        except Rejected:
+            if ep.scaled:
+                return None  # the dequantization is complete; a different op follows
+            raise
+        if ep.scaled and provably_equal(shape[0], 1) and any(
+                axis is Axis.COL and _from_a_product(f) for f, axis in factors):
+            # At M = 1 an activation's [1, N] row reads as a column vector: the SiLU'd gate
+            # times up, which would make up depend on gate and keep them from joining. Not a
+            # step, as the same product at M > 1 ([M, N]) is none: the epilogue ends whole.
+            return None
+        if ep.bias is not None:
+            raise Rejected("a multiply follows the bias add; the fused epilogue adds the bias last")
+        if ep.block_scaled and any(axis is Axis.COL for _, axis in factors):
+            raise Rejected("a per-channel multiply follows a block-wise matmul, whose weight scales are per "
+                           "128x128 block")
+        return lambda: [ep.add_factor(f, axis) for f, axis in factors]
+
+    def _fold_add(self, cur: fx.Node, user: fx.Node, shape):
+        """The bias: an [N] float vector added after the scaling (anything else ends the walk,
+        e.g. a residual add)."""
+        ep = self.ep
+        other = _other(user, cur)
+        if not ep.scaled or not isinstance(other, fx.Node):
+            return None
+        if classify_or_none(other, shape) is not Axis.COL or tensor_val(other).dtype not in FLOAT_DTYPES:
+            return None  # e.g. a residual add: the epilogue ends before it
+        if ep.bias is not None:
+            raise Rejected("a second [N] vector is added; the fused epilogue adds one bias")
+        _check_device(other, self.device, "the bias")
+        return lambda: setattr(ep, "bias", other)
 
     def subtract(self, term, shape):
         """A zero-point correction ``cur - term``: before the scaling (``term`` from
