@@ -1,6 +1,6 @@
 """What fusepass integrates with, above the pass: quantized models of other libraries
-(``prepare``: torchao's tensor subclasses and compressed-tensors checkpoints as plain-tensor
-linears)."""
+(``prepare``: the checkpoint formats of ``formats/`` as plain-tensor linears), and fusepass's
+own checkpoints (``saved.py``, ``hf.py``)."""
 
 from .linear import Act, Joint, W8A8Linear
 from .prepare import Preparation, prepare
