@@ -1,7 +1,7 @@
 """The package's imports go one way (the design's layer rule): ``_compat`` (torch's and
 Triton's private names) imports nothing of fusepass, ``kernels`` nothing above it but
 ``_compat``, ``ops`` only those, ``passes`` only ``ops``, ``kernels`` and ``_compat``; the
-backend, explain and the integrations sit above them, the demo and the command line on top;
+backend (with its Inductor choices), explain and the integrations sit above them, the demo and the command line on top;
 and no module takes part in an import cycle, counting imports inside functions."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "fusepass"
 # (module-name prefix, layer): a module may import its own layer and those below
 LAYERS = [("fusepass._compat", -1), ("fusepass.kernels", 0), ("fusepass.ops", 1), ("fusepass.passes", 2),
-          ("fusepass.backend", 3), ("fusepass.explain", 3), ("fusepass.integrations", 3),
+          ("fusepass.backend", 3), ("fusepass.choices", 3), ("fusepass.explain", 3), ("fusepass.integrations", 3),
           ("fusepass.distributed", 3), ("fusepass.demo", 4), ("fusepass.cli", 5), ("fusepass.__main__", 5),
           ("fusepass", 5)]
 
