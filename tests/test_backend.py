@@ -17,7 +17,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import fusepass
 from fusepass.backend import ChainedPass, capture_backend
 from fusepass.passes import RewritePass
-from tests.models import MLP
+from tests.support.models import MLP
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -196,7 +196,7 @@ _CACHE_SCRIPT = textwrap.dedent("""
     import torch
     from torch._dynamo.utils import counters
     import fusepass
-    from tests.models import MLP
+    from tests.support.models import MLP
 
     model = MLP().eval()
     x = torch.randn(2, 12, 64, generator=torch.Generator().manual_seed(1))

@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
-from tests.models import MLP
+from tests.support.models import MLP
 
 pytestmark = pytest.mark.gpu
 
@@ -207,7 +207,7 @@ class _QKV(torch.nn.Module):
         g = torch.Generator().manual_seed(0)
         w = lambda n: torch.randn(n, dim, generator=g) / dim**0.5  # noqa: E731
         b = lambda n: torch.randn(n, generator=g) if bias else None  # noqa: E731
-        from tests.models import W8A8Linear
+        from tests.support.models import W8A8Linear
 
         self.q, self.k, self.v = (W8A8Linear(w(n), b(n), dtype) for n in (dim, kv, kv))
 

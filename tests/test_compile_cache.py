@@ -52,13 +52,10 @@ def test_a_prepared_model_compiles_from_the_caches_in_a_second_process(tmp_path)
 
 
 def test_an_edited_prepared_linear_misses_the_caches(tmp_path):
-    """A prepared linear traces as one node whose body the cache keys do not see: its source's
-    hash is an argument of the node, so an edited ``integrations/linear.py`` misses them."""
-    import hashlib
-
-    from fusepass.integrations import linear
-
-    assert linear.SOURCE == hashlib.sha256(open(linear.__file__, "rb").read()).hexdigest()[:16]
+    """A prepared linear traces as one node whose body the cache keys do not see: its sources'
+    hash is an argument of the node (``linear.TRACED_FROM``: ``integrations/linear.py`` and the
+    ops' recipes it traces; ``test_prepared_module.py`` holds the hash to those files), so an
+    edited one misses them."""
     _compile_in_a_new_process(tmp_path)
     edited = _compile_in_a_new_process(tmp_path, source="edited")
     assert edited["aot"].get("autograd_cache_miss") == 1 and not edited["aot"].get("autograd_cache_hit"), edited["aot"]

@@ -98,7 +98,7 @@ def test_demo_runs_a_compressed_tensors_checkpoint(tmp_path, capsys):
     """--model PATH to a W8A8 checkpoint in the compressed-tensors format: its own scheme (no
     --quant), prepared, every quantized linear fused, reported as for the others."""
     pytest.importorskip("compressed_tensors")
-    from tests import ct_checkpoints as ct
+    from tests.support import ct_checkpoints as ct
 
     path, _ = ct.build(tmp_path, "W8A8")
     argv = ["demo", "--device", "cpu", "--model", str(path), "--prompt-len", "16", "--new-tokens", "4", "--batch", "1"]
@@ -115,11 +115,11 @@ def test_demo_runs_a_compressed_tensors_checkpoint(tmp_path, capsys):
 def test_demo_runs_transformers_fp8_checkpoints(fmt, tmp_path, capsys):
     """--model PATH to transformers' own FP8 formats: FBGEMM FP8 (loaded without fbgemm-gpu) and
     native 128x128-block FP8 (its FP8Linear built on the CPU with the GPU gate skipped, in this
-    test only: tests/fp8_checkpoints.py), prepared and every quantized linear fused. transformers'
+    test only: tests/support/fp8_checkpoints.py), prepared and every quantized linear fused. transformers'
     own modules need the ``kernels`` package and fbgemm-gpu, absent here: the eager reference is
     then the prepared model's, and the demo says so."""
     pytest.importorskip("accelerate")
-    from tests import fp8_checkpoints as fp8
+    from tests.support import fp8_checkpoints as fp8
 
     path = fp8.fbgemm(tmp_path)[0] if fmt == "fbgemm" else fp8.native(tmp_path, "llama")[0]
     argv = ["demo", "--device", "cpu", "--model", str(path), "--prompt-len", "16", "--new-tokens", "3", "--batch", "1"]
@@ -139,7 +139,7 @@ def test_demo_refuses_a_native_fp8_checkpoint_transformers_dequantized(tmp_path,
     """On a CPU transformers loads a native FP8 checkpoint dequantized to bf16: nothing W8A8 to
     show, and the demo says why."""
     pytest.importorskip("accelerate")
-    from tests import fp8_checkpoints as fp8
+    from tests.support import fp8_checkpoints as fp8
 
     path = fp8.native(tmp_path, "llama")[0]
     with pytest.raises(SystemExit, match="no quantized linear it runs .*a native FP8 checkpoint quantized only on a "

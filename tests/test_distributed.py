@@ -32,7 +32,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
 
 from fusepass.passes import PassConfig  # noqa: E402
 from fusepass.passes.group import NAME as GROUPED  # noqa: E402
-from tests.blockwise_data import make_block_problem  # noqa: E402
+from tests.support.blockwise_data import make_block_problem  # noqa: E402
 from tests.passes.harness import fused_calls  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

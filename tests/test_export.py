@@ -16,7 +16,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fusepass
-from tests.models import MLP
+from tests.support.models import MLP
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

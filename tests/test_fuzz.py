@@ -1,9 +1,9 @@
-"""A fixed-seed subset of the differential fuzzer (``python -m tests.fuzz`` runs more)."""
+"""A fixed-seed subset of the differential fuzzer (``python -m tools.fuzz`` runs more)."""
 
 import pytest
 import torch
 
-from tests.fuzz import _draw, _draw_blockwise, check
+from tools.fuzz import _draw, _draw_blockwise, check
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

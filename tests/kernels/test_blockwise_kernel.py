@@ -12,8 +12,8 @@ from fusepass.kernels import blockwise_launch as bl
 from fusepass.kernels import launch
 from fusepass.kernels.blockwise_launch import check_config, launch_scaled_mm_blockwise, select_config
 from fusepass.kernels.configs import Config
-from tests.blockwise_data import BLOCK, block_oracle, blocks, make_block_problem
-from tests.helpers import SPLIT_REQUESTS, assert_matches_oracle, fake_cuda_bias, record_split_requests
+from tests.support.blockwise_data import BLOCK, block_oracle, blocks, make_block_problem
+from tests.support.helpers import SPLIT_REQUESTS, assert_matches_oracle, fake_cuda_bias, record_split_requests
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter rounds fp32 -> bf16 toward zero (see test_scaled_mm_kernel.py).

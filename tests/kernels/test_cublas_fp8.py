@@ -12,7 +12,7 @@ from fusepass.kernels import direct, launch
 from fusepass.kernels.configs import Config
 from fusepass.kernels.launch import CUBLAS, cublas_takes_fp8, launch_scaled_mm
 from fusepass.kernels.policy import FP8_CUBLAS_ABOVE_M
-from tests.helpers import assert_matches_oracle, fake_cuda_bias, make_problem
+from tests.support.helpers import assert_matches_oracle, fake_cuda_bias, make_problem
 
 F8 = torch.float8_e4m3fn
 BF16 = torch.bfloat16

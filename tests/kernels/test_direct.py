@@ -10,8 +10,8 @@ import fusepass
 from fusepass.kernels import direct, launch
 from fusepass.kernels.configs import Config
 from fusepass.ops import eager
-from tests.blockwise_data import make_block_problem
-from tests.helpers import make_problem
+from tests.support.blockwise_data import make_block_problem
+from tests.support.helpers import make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

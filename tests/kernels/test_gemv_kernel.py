@@ -14,7 +14,7 @@ from fusepass.kernels import configs, launch, launch_scaled_mm
 from fusepass.kernels.configs import GEMV, Config, gemv_config
 from fusepass.kernels.gemv import _packed, scaled_gemv_kernel
 from fusepass.kernels.scaled_mm import scaled_mm_kernel
-from tests.helpers import assert_matches_oracle, make_problem
+from tests.support.helpers import assert_matches_oracle, make_problem
 from tests.kernels.test_plan import FLAGS, _operands
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,7 +10,7 @@ import torch
 from fusepass.kernels import configs, launch_scaled_mm
 from fusepass.kernels.configs import gemv_config
 from fusepass.kernels.group_launch import group_config, launch_scaled_mm_group
-from tests.helpers import make_problem
+from tests.support.helpers import make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

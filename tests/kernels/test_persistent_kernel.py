@@ -11,7 +11,7 @@ from fusepass.kernels import configs, launch, launch_scaled_mm
 from fusepass.kernels.configs import Config
 from fusepass.kernels.persistent import scaled_mm_persistent_kernel
 from fusepass.kernels.scaled_mm import scaled_mm_kernel
-from tests.helpers import assert_matches_oracle, make_problem
+from tests.support.helpers import assert_matches_oracle, make_problem
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PERSISTENT = Config(16, 32, 32, tma=True, persistent=True)

@@ -11,7 +11,7 @@ from fusepass.kernels import launch_scaled_mm
 from fusepass.kernels import configs, launch
 from fusepass.kernels.configs import Config, select_config
 from fusepass.kernels.launch import tma_allowed
-from tests.helpers import SPLIT_REQUESTS, assert_matches_oracle, make_problem, record_split_requests
+from tests.support.helpers import SPLIT_REQUESTS, assert_matches_oracle, make_problem, record_split_requests
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

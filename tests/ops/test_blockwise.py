@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import fusepass
-from tests.blockwise_data import BLOCK, block_oracle, blocks, make_block_problem
-from tests.helpers import assert_matches_oracle
+from tests.support.blockwise_data import BLOCK, block_oracle, blocks, make_block_problem
+from tests.support.helpers import assert_matches_oracle
 
 F32, BF16 = torch.float32, torch.bfloat16
 # Ragged K and N (last group 44 / 4 wide), K and N below one block, K a whole number of blocks.

@@ -12,8 +12,8 @@ from torch._inductor.graph import GraphLowering
 import fusepass
 from fusepass.kernels import blockwise_launch as bl
 from fusepass.kernels.configs import Config
-from tests.blockwise_data import BLOCK, block_oracle, make_block_problem
-from tests.helpers import CUBLAS_CALL, assert_matches_oracle, require_sm90
+from tests.support.blockwise_data import BLOCK, block_oracle, make_block_problem
+from tests.support.helpers import CUBLAS_CALL, assert_matches_oracle, require_sm90
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16

@@ -7,7 +7,7 @@ import torch
 
 import fusepass
 from fusepass.ops import checks
-from tests.helpers import make_problem
+from tests.support.helpers import make_problem
 
 M, N, K = 4, 8, 16
 F32, BF16 = torch.float32, torch.bfloat16

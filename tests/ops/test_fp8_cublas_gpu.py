@@ -12,7 +12,7 @@ import fusepass
 from fusepass.kernels.configs import select_config
 from fusepass.kernels.launch import launch_scaled_mm
 from fusepass.kernels.policy import FP8_CUBLAS_ABOVE_M
-from tests.helpers import CUBLAS_CALL, assert_matches_oracle, make_problem, require_sm90
+from tests.support.helpers import CUBLAS_CALL, assert_matches_oracle, make_problem, require_sm90
 
 pytestmark = pytest.mark.gpu
 F8, BF16 = torch.float8_e4m3fn, torch.bfloat16

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fusepass
-from tests.helpers import make_problem
+from tests.support.helpers import make_problem
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 BF16 = torch.bfloat16

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.helpers import make_problem
+from tests.support.helpers import make_problem
 
 ALL_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

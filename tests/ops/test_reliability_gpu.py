@@ -8,7 +8,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import fusepass
 from fusepass.kernels.configs import Config
 from fusepass.kernels.launch import launch_scaled_mm
-from tests.helpers import assert_matches_oracle, make_problem, oracle
+from tests.support.helpers import assert_matches_oracle, make_problem, oracle
 
 pytestmark = pytest.mark.gpu
 

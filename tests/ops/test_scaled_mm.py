@@ -7,7 +7,7 @@ import torch
 
 import fusepass
 from fusepass.ops import reference
-from tests.helpers import assert_matches_oracle, make_problem, scale_shapes
+from tests.support.helpers import assert_matches_oracle, make_problem, scale_shapes
 
 OUT_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SIZES_M = [0, 1, 7, 33, 128]

@@ -10,7 +10,7 @@ from fusepass.integrations.linear import SCALE_EPS, Act
 from fusepass.integrations.linear import quantize_input as module_rows
 from fusepass.kernels import launch
 from fusepass.ops.dynamic import quantize_rows, scaled_mm_dynamic
-from tests.helpers import DIVISOR, quantized_row_bound, quantizing_launch_and_reference
+from tests.support.helpers import DIVISOR, quantized_row_bound, quantizing_launch_and_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 I8, F8, BF16 = torch.int8, torch.float8_e4m3fn, torch.bfloat16

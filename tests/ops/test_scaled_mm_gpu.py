@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fusepass
-from tests.helpers import FP8_MMA_REL, assert_matches_oracle, make_problem, oracle
+from tests.support.helpers import FP8_MMA_REL, assert_matches_oracle, make_problem, oracle
 
 pytestmark = pytest.mark.gpu
 

@@ -16,8 +16,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fusepass.backend import capture_backend
 from fusepass.passes import FusePass
-from tests.blockwise_data import BlockProblem, block_oracle, make_block_problem
-from tests.helpers import COMPILES_F_SCALED_MM, assert_matches_oracle
+from tests.support.blockwise_data import BlockProblem, block_oracle, make_block_problem
+from tests.support.helpers import COMPILES_F_SCALED_MM, assert_matches_oracle
 from tests.passes.harness import assert_policy, run_pass
 
 F = torch.nn.functional

@@ -6,7 +6,7 @@ import expecttest
 import torch
 
 from fusepass.passes import PassConfig
-from tests.models import W8A8Linear
+from tests.support.models import W8A8Linear
 
 F = torch.nn.functional
 DIM = 64
@@ -114,7 +114,7 @@ return [getitem, getitem_1, getitem_2]""")
         """Inside Inductor's CUDA graphs (and for code its caller captures) decode launches split
         K; the group takes the split of the weight its members make joined (the kernel's
         split-K), so siblings group there too: M = 1 and 2, weights stored (N, K) or (K, N)."""
-        from tests.models import quantize_rows
+        from tests.support.models import quantize_rows
 
         ws = [(q.t().contiguous(), s) for q, s in _weights(1024, 1024, 1024)]  # (K, N), one stride pair
 
@@ -179,7 +179,7 @@ class TestMustNotGroup(expecttest.TestCase):
 
 def _lin(x, w, bias=None):
     """A W8A8 linear written out: (weight [N, K] int8, scale [1, N]); its input quantized per row."""
-    from tests.models import quantize_rows
+    from tests.support.models import quantize_rows
 
     xq, xs = quantize_rows(x, torch.int8)
     y = torch._int_mm(xq, w[0].t()).float() * xs * w[1]
@@ -187,7 +187,7 @@ def _lin(x, w, bias=None):
 
 
 def _weights(*ns, seed=0):
-    from tests.models import quantize_rows
+    from tests.support.models import quantize_rows
 
     g = torch.Generator().manual_seed(seed)
     out = []

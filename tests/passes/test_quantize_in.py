@@ -12,7 +12,7 @@ from fusepass.ops.dynamic import quantize_rows
 from fusepass.passes import PassConfig
 from fusepass.passes.quantize_in import NAME
 from fusepass.backend import capture_backend
-from tests.helpers import DIVISOR
+from tests.support.helpers import DIVISOR
 from tests.passes.harness import assert_policy, run_pass
 
 F = torch.nn.functional

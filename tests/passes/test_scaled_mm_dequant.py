@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fusepass.passes import PassConfig
-from tests.helpers import COMPILES_F_SCALED_MM
+from tests.support.helpers import COMPILES_F_SCALED_MM
 from tests.passes.data import K, M, N, bias, f8, i8, scale
 from tests.passes.harness import assert_policy, run_pass
 

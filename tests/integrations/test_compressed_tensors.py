@@ -21,8 +21,8 @@ from fusepass.passes.quantize_in import GROUPS_NAME as QUANTIZED_GROUPS_IN, NAME
 pytest.importorskip("compressed_tensors")
 pytest.importorskip("transformers")
 from fusepass.demo import accuracy, models  # noqa: E402
-from tests import ct_checkpoints as ct  # noqa: E402
-from tests.helpers import compiled_decisions  # noqa: E402
+from tests.support import ct_checkpoints as ct  # noqa: E402
+from tests.support.helpers import prepared_step_decisions  # noqa: E402
 
 KIND = {"W8A8": "int8", "W8A8_ASYM": "int8-asym", "FP8_DYNAMIC": "fp8", "FP8_BLOCK": "fp8-block"}
 PATTERNS = {"int8": {"dequant_mm"}, "int8-asym": {"int_mm_azp_per_token"},
@@ -86,11 +86,7 @@ def test_prepared_checkpoint_logits_within_policy(checkpoints, scheme):
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 @pytest.mark.parametrize("scheme", list(KIND))
 def test_every_quantized_linear_fuses(checkpoints, scheme, step, batch, device):
-    model = ct.load(checkpoints[scheme][0]).to(device)
-    fusepass.prepare(model)
-    ids = models.prompt(model, batch, 8, seed=2)
-    inputs = dict(input_ids=ids) if step == "prefill" else models.decode_inputs(ids, models.static_cache(model, batch, 16))
-    decisions, found = compiled_decisions(model, inputs)
+    decisions, found = prepared_step_decisions(ct.load(checkpoints[scheme][0]).to(device), step, batch)
     assert len(decisions) == ct.QUANTIZED_LINEARS and all(d.fused for d in decisions), decisions
     joined = found.pop(JOINED, 0)
     # (outside CUDA graphs, each o_proj's and down_proj's symmetric int8 or fp8 row quantized in its M = 1 launch)

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fusepass.demo import models
-from tests.bench_scripts import load
+from tests.support.bench_scripts import load
 
 pytest.importorskip("transformers")
 pytest.importorskip("torchao")

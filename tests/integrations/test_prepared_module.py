@@ -447,7 +447,7 @@ def test_a_prepared_compressed_tensors_checkpoint_saves_and_loads_bit_for_bit(sc
     pytest.importorskip("compressed_tensors")
     import transformers
 
-    from tests import ct_checkpoints as ct
+    from tests.support import ct_checkpoints as ct
 
     path, _ = ct.build(tmp_path, scheme)
     model = ct.load(path)

@@ -6,7 +6,7 @@ import json
 import pytest
 from torch._dynamo.utils import counters
 
-from tests.bench_scripts import load
+from tests.support.bench_scripts import load
 
 
 @pytest.fixture(scope="module")

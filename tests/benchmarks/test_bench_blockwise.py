@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from tests.bench_scripts import load
+from tests.support.bench_scripts import load
 
 
 @pytest.fixture(scope="module")

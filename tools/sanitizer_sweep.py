@@ -1,7 +1,7 @@
 """A sweep of ragged shapes over every tile path and epilogue variant, for compute-sanitizer.
 
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python -m tests.sanitizer_sweep [ops | paths | group]    # every part by default
+        python -m tools.sanitizer_sweep [ops | paths | group]    # every part by default
 
 Without the caching allocator every tensor is its own allocation, so a read or write one
 element past an edge is reported. Each case is also checked against the float64 oracle.
@@ -17,7 +17,7 @@ from fusepass.kernels import launch_scaled_mm
 from fusepass.kernels.configs import Config, gemv_config
 from fusepass.kernels.direct import release_scratch
 from fusepass.kernels.group_launch import launch_scaled_mm_group
-from tests.helpers import assert_matches_oracle, make_problem, quantized_row_bound, quantizing_launch_and_reference
+from tests.support.helpers import assert_matches_oracle, make_problem, quantized_row_bound, quantizing_launch_and_reference
 
 # M: every bucket and its edges (1100: the persistent kernel's buckets); N and K: below one
 # block, ragged, multiples of the blocks.

@@ -11,9 +11,9 @@ op rounds once, from fp32; plus the tail op's own rounding); and every program b
 be fusable did fuse (a shared mid-chain value: in part, then close to eager), every one
 built not to be did not.
 
-    python -m tests.fuzz --programs 500                 # the long run (pass on the traced graph)
-    python -m tests.fuzz --programs 50 --backend fusepass --device cuda   # through Inductor
-    python -m tests.fuzz --family blockwise --programs 200   # block-wise fp8 forms (_draw_blockwise)
+    python -m tools.fuzz --programs 500                 # the long run (pass on the traced graph)
+    python -m tools.fuzz --programs 50 --backend fusepass --device cuda   # through Inductor
+    python -m tools.fuzz --family blockwise --programs 200   # block-wise fp8 forms (_draw_blockwise)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from fusepass.passes import PassConfig
-from tests.helpers import FP8_MMA_REL, HALF_ULP
+from tests.support.helpers import FP8_MMA_REL, HALF_ULP
 from tests.passes.harness import run_pass
 
 OUT = (torch.float32, torch.bfloat16, torch.float16)

@@ -3,7 +3,7 @@ measured read bandwidth where a result has it, and beside bf16's own bytes per s
 
 import pytest
 
-from tests.bench_scripts import load
+from tests.support.bench_scripts import load
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.helpers import random_q, scale
+from tests.support.helpers import random_q, scale
 
 BLOCK = 128
 

@@ -213,3 +213,15 @@ def compiled_decisions(model, inputs: dict) -> tuple[list, dict]:
     with torch.no_grad():
         torch.compile(model, backend=capture_backend(lambda gm: decisions.extend(pass_.run(gm.graph))))(**inputs)
     return decisions, dict(counters["fusepass"])
+
+
+def prepared_step_decisions(model, step: str, batch: int) -> tuple[list, dict]:
+    """``fusepass.prepare(model)``, then ``compiled_decisions`` of its ``step`` ("prefill": an
+    8-token prompt; "decode": one token against a 16-slot static cache) of ``batch`` rows."""
+    import fusepass
+    from fusepass.demo import models
+
+    fusepass.prepare(model)
+    ids = models.prompt(model, batch, 8, seed=2)
+    inputs = dict(input_ids=ids) if step == "prefill" else models.decode_inputs(ids, models.static_cache(model, batch, 16))
+    return compiled_decisions(model, inputs)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusepass.kernels.launch import persistent_stages
-from tests.bench_scripts import load
+from tests.support.bench_scripts import load
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from fusepass.passes.quantize_in import GROUPS_NAME as QUANTIZED_GROUPS_IN, NAME
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 from fusepass.demo import models  # noqa: E402
-from tests import fp8_checkpoints as fp8  # noqa: E402
-from tests.helpers import compiled_decisions  # noqa: E402
+from tests.support import fp8_checkpoints as fp8  # noqa: E402
+from tests.support.helpers import prepared_step_decisions  # noqa: E402
 
 FP8 = torch.float8_e4m3fn
 
@@ -137,11 +137,7 @@ def _dequantized(model):
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 @pytest.mark.parametrize("name", ["block-llama", "block-qwen3", "fbgemm", "static"])
 def test_every_quantized_linear_fuses(checkpoints, name, step, batch, device):
-    model = fp8.load(checkpoints[name][0]).to(device)
-    fusepass.prepare(model)
-    ids = models.prompt(model, batch, 8, seed=2)
-    inputs = dict(input_ids=ids) if step == "prefill" else models.decode_inputs(ids, models.static_cache(model, batch, 16))
-    decisions, found = compiled_decisions(model, inputs)
+    decisions, found = prepared_step_decisions(fp8.load(checkpoints[name][0]).to(device), step, batch)
     assert len(decisions) == COUNT[name] and all(d.fused for d in decisions), decisions
     joined = found.pop(JOINED, 0)
     found.pop(QUANTIZED_IN, 0)
