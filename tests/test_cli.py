@@ -3,10 +3,19 @@ import pytest
 from fusepass import cli
 
 
-def test_check_runs_and_reports(capsys):
-    assert cli.main(["check", "-m", "5", "-n", "64", "-k", "96"]) == 0
+def test_check_runs_every_op_and_says_which_implementation(capsys):
+    assert cli.main(["check", "-m", "5", "-n", "64", "-k", "256"]) == 0
     out = capsys.readouterr().out
-    assert "scaled_mm int8" in out and "scaled_mm_azp int8" in out and out.rstrip().endswith("OK")
+    ran = [line.split()[0] for line in out.splitlines() if "vs float64" in line]
+    import fusepass.ops
+
+    assert sorted(set(ran)) == sorted(fusepass.ops.__all__), out  # every op, int8 and fp8 forms
+    assert "running the CPU reference" in out.splitlines()[0] and out.rstrip().endswith("OK")
+
+
+def test_check_says_what_it_skips(capsys):
+    assert cli.main(["check", "-m", "3", "-n", "64", "-k", "96"]) == 0
+    assert "skipped: scaled_mm_blockwise_dynamic (K = 96 is not whole 128-wide groups)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,message", [
