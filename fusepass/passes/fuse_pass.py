@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .._compat import CustomGraphPass, V, counters, get_hash_for_files, inductor_config
 from ..kernels.policy import FP8_CUBLAS_ABOVE_M, Graphs, decode_splits, splitting_outside_graphs
-from .graph import Rejected, aten, location, module_path
+from .graph import Rejected, aten, location, module_path, tensor_val
 from .group import NAME as GROUPED, group_siblings
 from .join import NAME as JOINED, join_siblings
 from .lower import lower
@@ -188,6 +188,9 @@ def _try(graph: fx.Graph, node: fx.Node, pattern, config: PassConfig) -> Decisio
             log.debug("fusepass: %s runs on fusepass.int_mm (torch._int_mm cannot run it on CUDA)", d.node)
         return d
     d.pattern, d.reason = cand.pattern, cand.ep.stop
+    # (in the user's terms: the quantized operands, where a dequantized form's matmul is float)
+    d.shapes = " x ".join(f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+                          for v in (tensor_val(cand.a), tensor_val(cand.b)))
     count(cand.pattern)
     log.debug("fusepass: fused %s (%s) into %s [%s]%s", d.node, d.shapes, d.op, d.pattern,
               f", in part: {d.reason}" if d.reason else "")

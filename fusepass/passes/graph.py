@@ -52,16 +52,25 @@ def schema_args(node: fx.Node) -> list:
     return given + [node.kwargs.get(a.name, a.default_value) for a in schema.arguments[len(given):]]
 
 
+_PACKAGE = Path(__file__).resolve().parents[1]  # fusepass/
+
+
 def location(node: fx.Node) -> str:
-    """``file:line: code`` of the innermost user frame in the node's stack trace."""
+    """``file:line: code`` of the innermost user frame in the node's stack trace: the user's
+    code, past fusepass's own frames (a prepared linear's forward); fusepass's own where there is
+    no other."""
     lines = (node.meta.get("stack_trace") or "").splitlines()
+    frames = []
     for i in range(len(lines) - 1, -1, -1):
         head = lines[i].strip()
         if head.startswith('File "'):
             path, _, rest = head[len('File "'):].partition('", line ')
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{Path(path).name}:{rest.split(',')[0]}: {code}"
-    return ""
+            frames.append((Path(path), f"{Path(path).name}:{rest.split(',')[0]}: {code}"))
+    for path, where in frames:
+        if _PACKAGE not in path.resolve().parents:
+            return where
+    return frames[0][1] if frames else ""
 
 
 def module_path(node: fx.Node) -> str:

@@ -79,3 +79,27 @@ def test_explain_says_when_no_graph_reached_the_pass():
                 fusepass.explain(model, i8(M + 8, K), scale(M + 8, 1))  # (another M: a recompile)
     finally:
         torch._dynamo.reset()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(256, 128, bias=False)
+
+    def forward(self, x):
+        return self.proj(x).relu()
+
+
+def test_a_prepared_linear_is_reported_in_the_users_terms():
+    """A prepared linear's traced form is a float matmul inside fusepass's own forward: the
+    report names the user's module, the user's line that calls it, and the quantized operands."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    model = _Block()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
+    fusepass.prepare(model)
+    report = fusepass.explain(model, torch.randn(3, 256))
+    (d,) = report.decisions
+    assert d.fused and d.module == "proj"
+    assert d.location == "test_explain.py:90: return self.proj(x).relu()", d.location
+    assert d.shapes == "int8[3, 256] x int8[256, 128]", d.shapes  # (a @ b: the weight as the matmul reads it)
