@@ -182,7 +182,7 @@ def test_torchao_int8_dynamic_on_gpu():
 
 
 def test_rowwise_scaled_mm_at_decode_size():
-    """Row 7 on the GPU: row-wise fp8 _scaled_mm with bias, M <= 16, becomes ours."""
+    """scaled_mm_fp8_direct on the GPU: row-wise fp8 _scaled_mm with bias, M <= 16, becomes ours."""
 
     def f(a, b, sa, sb, bias):
         return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)

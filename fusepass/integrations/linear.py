@@ -422,14 +422,14 @@ def _traced(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, kind, di
     """Rows [lo, hi) of the joint weight applied to ``x``, in plain ATen ops:
 
     - symmetric (``fp8-static`` too, its scale per-tensor): a float matmul of the
-      dequantized operands (pattern 8), which another backend computes as written (correct,
+      dequantized operands (the pass's ``dequant_mm``), which another backend computes as written (correct,
       without the fused kernels);
     - asymmetric: ``_int_mm`` and the zero-point correction with the stored row sums
-      (pattern 5). As a float matmul the pass would sum the weight's columns in the
+      (``int_mm_azp_per_token``). As a float matmul the pass would sum the weight's columns in the
       graph, a second read of the weight on every call. Another backend on CUDA needs
       M > 16 for ``_int_mm`` there;
     - ``fp8-block``: activations over 128-wide groups, the weight's scales spread over its
-      128x128 blocks (pattern 10).
+      128x128 blocks (``dequant_mm_blockwise``).
 
     The pass turns each back into one op call with exact integer (or fp8) products, and
     ``passes/join.py`` joins siblings' calls on one activation."""

@@ -58,7 +58,7 @@ def count(name: str) -> None:
 
 @dataclass(frozen=True)
 class PassConfig:
-    # fp8 matmuls (rows 6-7) fuse only for a static M at most this: above it cuBLAS's
+    # fp8 matmuls (scaled_mm_fp8_epilogue, _direct) fuse only for a static M at most this: above it cuBLAS's
     # _scaled_mm is the faster. The measured rule is the ops' own (kernels/launch.py).
     fp8_max_m: int = FP8_CUBLAS_ABOVE_M
     # Pattern families to run, by module name (int_mm, blockwise, scaled_mm, dequant_mm).

@@ -1,4 +1,4 @@
-"""Pattern rows 1-5: torch._int_mm and its epilogue -> fusepass.scaled_mm / scaled_mm_azp."""
+"""Patterns int_mm_scaled, int_mm_azp_per_tensor, int_mm_azp_per_token: torch._int_mm and its epilogue -> fusepass.scaled_mm / scaled_mm_azp."""
 
 import expecttest
 import pytest
@@ -21,7 +21,7 @@ class TestIntMM(expecttest.TestCase):
         assert_policy(r.out, fn(*args), ref)
         return r.after
 
-    def test_row1_scales_then_bias_then_cast(self):
+    def test_int_mm_scaled_scales_then_bias_then_cast(self):
         def f(a, b, sa, sb, bias):
             return (torch._int_mm(a, b).float() * sa * sb + bias).to(torch.bfloat16)
 
@@ -33,7 +33,7 @@ reshape_default_1: f32[40] = aten.reshape(sb, [-1])
 scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, reshape_default_1, bf16, bias)
 return [scaled_mm_default]""")
 
-    def test_row1_premultiplied_any_order_fp32_out(self):
+    def test_int_mm_scaled_premultiplied_any_order_fp32_out(self):
         def f(a, b, sa, sb):
             s = sa * sb  # an [M, N] outer product of per-token and per-channel scales
             return s * torch._int_mm(a, b).to(torch.float32)
@@ -45,7 +45,7 @@ reshape_default: f32[24] = aten.reshape(sa, [-1])
 scaled_mm_default: f32[24, 40] = fusepass.scaled_mm(a, b, reshape_default, sb, f32, None)
 return [scaled_mm_default]""")
 
-    def test_row1_python_and_0d_scales_fp16(self):
+    def test_int_mm_scaled_python_and_0d_scales_fp16(self):
         def f(a, b, s, bias):
             return (0.5 * (torch._int_mm(a, b).float() * s) + bias).half()
 
@@ -56,7 +56,7 @@ full_default: f32[] = aten.full([], 0.5, dtype=f32, device=device(type='cpu'))
 scaled_mm_default: f16[24, 40] = fusepass.scaled_mm(a, b, s, full_default, f16, bias)
 return [scaled_mm_default]""")
 
-    def test_row1_vector_scales_unsqueezed(self):
+    def test_int_mm_scaled_vector_scales_unsqueezed(self):
         def f(a, b, sa, sb):
             return torch._int_mm(a, b).float() * sa.unsqueeze(1) * sb
 
@@ -68,7 +68,7 @@ reshape_default: f32[24] = aten.reshape(unsqueeze, [-1])
 scaled_mm_default: f32[24, 40] = fusepass.scaled_mm(a, b, reshape_default, sb, f32, None)
 return [scaled_mm_default]""")
 
-    def test_row2_cast_to_out_dtype_before_scale_b_and_bias(self):
+    def test_int_mm_scaled_cast_to_out_dtype_before_scale_b_and_bias(self):
         def f(a, b, sa, sb, bias):  # torchao's order: rounds to bf16 twice on the way
             y = torch._int_mm(a, b).to(torch.bfloat16) * sa.to(torch.bfloat16)
             return y * sb + bias
@@ -82,7 +82,7 @@ reshape_default: bf16[24] = aten.reshape(convert_element_type_1, [-1])
 scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, reshape_default, sb, bf16, bias)
 return [scaled_mm_default]""")
 
-    def test_row1_lone_bf16_scales_go_in_uncast(self):
+    def test_int_mm_scaled_lone_bf16_scales_go_in_uncast(self):
         """A bf16 per-tensor and a bf16 per-channel scale, each alone on its side: the op
         widens them itself (no cast kernel for a weight's scale every step)."""
         def f(a, b, sa, sb):
@@ -95,7 +95,7 @@ return [scaled_mm_default]""")
 scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(a, b, sa, sb, bf16, None)
 return [scaled_mm_default]""")
 
-    def test_row3_3d_activations_with_reshapes(self):
+    def test_int_mm_scaled_3d_activations_with_reshapes(self):
         def f(x, w, sa, sb, bias):
             B, S, _ = x.shape
             y = torch._int_mm(x.reshape(-1, K), w.t()).float() * sa.reshape(-1, 1)
@@ -112,7 +112,7 @@ scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(view, permute, reshape_defa
 view_default: bf16[2, 12, 40] = aten.view(scaled_mm_default, [2, 12, 40])
 return [view_default]""")
 
-    def test_row4_per_tensor_zero_point_adj(self):
+    def test_int_mm_azp_per_tensor_per_tensor_zero_point_adj(self):
         def f(a, b, sa, sb, azp_adj):
             return (torch._int_mm(a, b) - azp_adj).float() * sa * sb
 
@@ -125,7 +125,7 @@ reshape_default_1: f32[40] = aten.reshape(sb, [-1])
 scaled_mm_azp_default: f32[24, 40] = fusepass.scaled_mm_azp(a, b, reshape_default, reshape_default_1, f32, azp_adj, None, None)
 return [scaled_mm_azp_default]""")
 
-    def test_row4_z_times_colsum(self):
+    def test_int_mm_azp_per_tensor_z_times_colsum(self):
         def f(a, w, sa, sb, bias):
             colsum = w.sum(1, dtype=torch.int32)
             acc = torch._int_mm(a, w.t()) - 5 * colsum
@@ -142,7 +142,7 @@ reshape_default_1: f32[40] = aten.reshape(sb, [-1])
 scaled_mm_azp_default: bf16[24, 40] = fusepass.scaled_mm_azp(a, permute, reshape_default, reshape_default_1, bf16, mul, None, bias)
 return [scaled_mm_azp_default]""")
 
-    def test_row5_per_token_zero_point(self):
+    def test_int_mm_azp_per_token_per_token_zero_point(self):
         def f(a, b, sa, sb, azp, adj, bias):
             acc = torch._int_mm(a, b) - azp.view(-1, 1) * adj.view(1, -1)
             return (acc.float() * sa * sb + bias).half()
@@ -162,7 +162,7 @@ reshape_default_3: i32[40] = aten.reshape(view_1, [-1])
 scaled_mm_azp_default: f16[24, 40] = fusepass.scaled_mm_azp(a, b, reshape_default, reshape_default_1, f16, reshape_default_3, reshape_default_2, bias)
 return [scaled_mm_azp_default]""")
 
-    def test_row5_at_one_row_keeps_the_zero_point_apart(self):
+    def test_int_mm_azp_per_token_at_one_row_keeps_the_zero_point_apart(self):
         """At M = 1 ``azp[1, 1] * adj[1, N]`` is also a [1, N] term; read as per-token, the op
         takes the stored ``adj`` (siblings' slices of one buffer then join) instead of a product
         computed on every call."""
@@ -183,8 +183,8 @@ reshape_default_3: i32[40] = aten.reshape(view_1, [-1])
 scaled_mm_azp_default: bf16[1, 40] = fusepass.scaled_mm_azp(a, b, reshape_default_1, reshape_default, bf16, reshape_default_3, reshape_default_2, None)
 return [scaled_mm_azp_default]""")
 
-    def test_row4_at_one_row_where_a_factor_cannot_be_an_operand(self):
-        """The one-row reading of row 5 needs both factors as op operands; a CPU scalar zero
+    def test_int_mm_azp_per_tensor_at_one_row_where_a_factor_cannot_be_an_operand(self):
+        """The one-row reading of int_mm_azp_per_token needs both factors as op operands; a CPU scalar zero
         point (a number to eager broadcasting) or a bf16 one stays the per-tensor product."""
         def f(a, b, sa, sb, z, colsum):
             acc = torch._int_mm(a, b) - z * colsum.view(1, -1)

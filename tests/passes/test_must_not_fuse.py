@@ -1,4 +1,4 @@
-"""Pattern row 9: what must stay unchanged, each with the reason the pass gives. (A chain
+"""What must stay unchanged (docs/PATTERNS.md, "left alone"), each with the reason the pass gives. (A chain
 that can be fused in part is: tests/passes/test_prefix.py.)"""
 
 import re

@@ -1,4 +1,4 @@
-"""Pattern rows 6-8: torch._scaled_mm (fp8) with and without an epilogue, and
+"""Patterns scaled_mm_fp8_epilogue, scaled_mm_fp8_direct and dequant_mm: torch._scaled_mm (fp8) with and without an epilogue, and
 dequantize-then-matmul, -> fusepass.scaled_mm."""
 
 import expecttest
@@ -20,7 +20,7 @@ class TestScaledMMAndDequant(expecttest.TestCase):
         assert_policy(r.out, fn(*args), ref)
         return r.after
 
-    def test_row6_scaled_mm_unit_scales_then_epilogue(self):
+    def test_scaled_mm_fp8_epilogue_scaled_mm_unit_scales_then_epilogue(self):
         def f(a, b, one, sa, sb, bias):
             y = torch._scaled_mm(a, b, one, one, out_dtype=torch.float32)
             return (y * sa * sb + bias).to(torch.bfloat16)
@@ -38,9 +38,9 @@ mul_tensor_1: f32[40] = aten.mul.Tensor(mul_tensor, one)
 scaled_mm_default: bf16[8, 40] = fusepass.scaled_mm(a, b, reshape_default, mul_tensor_1, bf16, bias)
 return [scaled_mm_default]""")
 
-    # Row 7 on CPU uses tensor-wise scales: torch 2.11's CPU _scaled_mm has no row-wise
+    # scaled_mm_fp8_direct on CPU uses tensor-wise scales: torch 2.11's CPU _scaled_mm has no row-wise
     # scaling (2.13's has); the rewrite is the same, and the GPU tests cover row-wise.
-    def test_row7_scaled_mm_at_decode_size(self):
+    def test_scaled_mm_fp8_direct_scaled_mm_at_decode_size(self):
         def f(a, b, sa, sb, bias):
             return torch._scaled_mm(a, b, sa, sb, bias=bias, out_dtype=torch.bfloat16)
 
@@ -52,7 +52,7 @@ return [scaled_mm_default]""")
 scaled_mm_default: bf16[8, 40] = fusepass.scaled_mm(a, b, sa, sb, bf16, bias)
 return [scaled_mm_default]""")
 
-    def test_rows_6_7_kept_above_the_decode_threshold_alike(self):
+    def test_scaled_mm_fp8_kept_above_the_decode_threshold_alike(self):
         """One fp8 rule for the plain and the epilogue forms (an fp32 upcast for SiLU, say)."""
 
         def plain(a, b, sa, sb):
@@ -70,7 +70,7 @@ return [scaled_mm_default]""")
             r = run_pass(f, *args, config=PassConfig(fp8_max_m=80))
             self.assertEqual(r.counts, {pattern: 1})
 
-    def test_row7_views_alone_are_no_epilogue(self):
+    def test_scaled_mm_fp8_direct_views_alone_are_no_epilogue(self):
         def f(x, b, sa, sb):  # 3-D activations: only reshapes around the matmul
             y = torch._scaled_mm(x.reshape(-1, K), b, sa, sb, out_dtype=torch.bfloat16)
             return y.reshape(2, M // 2, N)
@@ -84,7 +84,7 @@ view_default: bf16[2, 12, 40] = aten.view(scaled_mm_default, [2, 12, 40])
 return [view_default]""")
 
     @COMPILES_F_SCALED_MM
-    def test_rows_6_7_functional_scaled_mm(self):
+    def test_scaled_mm_fp8_functional_scaled_mm(self):
         """F.scaled_mm (aten._scaled_mm_v2): row-wise recipes, then a bias and a cast."""
 
         def f(a, b, sa, sb, bias):
@@ -100,7 +100,7 @@ reshape_default_1: f32[40] = aten.reshape(sb, [-1])
 scaled_mm_default: bf16[8, 40] = fusepass.scaled_mm(a, b, reshape_default, reshape_default_1, bf16, bias)
 return [scaled_mm_default]""")
 
-    def test_row8_linear_of_dequantized_tensors(self):
+    def test_dequant_mm_linear_of_dequantized_tensors(self):
         def f(xq, sx, wq, sw, bias):
             return F.linear(xq.float() * sx, wq.float() * sw, bias)
 
@@ -113,7 +113,7 @@ reshape_default_1: f32[40] = aten.reshape(sw, [-1])
 scaled_mm_default: f32[24, 40] = fusepass.scaled_mm(xq, permute_default, reshape_default, reshape_default_1, f32, bias)
 return [scaled_mm_default]""")
 
-    def test_row8_3d_bf16_matmul_fp8(self):
+    def test_dequant_mm_3d_bf16_matmul_fp8(self):
         def f(xq, sx, wq, sw):
             return (xq.to(torch.bfloat16) * sx) @ (wq.to(torch.bfloat16) * sw).t()
 
@@ -129,7 +129,7 @@ scaled_mm_default: bf16[24, 40] = fusepass.scaled_mm(view_default, permute_defau
 view_default_1: bf16[2, 12, 40] = aten.view(scaled_mm_default, [2, 12, 40])
 return [view_default_1]""")
 
-    def test_row8_asymmetric_activation_per_token_zero_point(self):
+    def test_dequant_mm_asymmetric_activation_per_token_zero_point(self):
         """torchao 0.17's asymmetric int8 on CUDA: ((x_q - z) * s_x) @ (w_q * s_w).t() in bf16."""
 
         def f(xq, zp, sx, wq, sw):
@@ -151,7 +151,7 @@ scaled_mm_azp_default: bf16[24, 40] = fusepass.scaled_mm_azp(view_default, permu
 view_default_1: bf16[2, 12, 40] = aten.view(scaled_mm_azp_default, [2, 12, 40])
 return [view_default_1]""")
 
-    def test_row8_asymmetric_activation_per_tensor_zero_points(self):
+    def test_dequant_mm_asymmetric_activation_per_tensor_zero_points(self):
         """A 0-d zero point, a Python number, and a per-token one at M = 1 fold into azp_adj."""
         wq, sw = i8(N, K, seed=1), scale(N, 1, seed=2)
 
@@ -172,7 +172,7 @@ return [view_default_1]""")
                 self.assertIn("aten.mul.Tensor(sum_dim_int_list", after)
                 self.assertIn(", None)", after.splitlines()[-2])  # no per-token azp
 
-    def test_row8_inductor_matrix_vector_decomposition(self):
+    def test_dequant_mm_inductor_matrix_vector_decomposition(self):
         """Inductor decomposes an M = 1 bf16 mm on CUDA into a broadcast multiply and a sum."""
 
         def f(xq, zp, sx, wq, sw):
@@ -195,7 +195,7 @@ return [scaled_mm_azp_default]""")
         r = run_pass(lambda x, w: (x.unsqueeze(2) * w.unsqueeze(0)).sum(1), torch.randn(1, K), torch.randn(K, N))
         self.assertEqual((r.counts, r.decisions), ({}, []))  # a float one is no candidate
 
-    def test_row8_zero_points_that_do_not_fold(self):
+    def test_dequant_mm_zero_points_that_do_not_fold(self):
         def fp8_zp(xq, sx, wq, sw):
             return F.linear((xq.float() - 1) * sx, wq.float() * sw)
 
@@ -215,7 +215,7 @@ return [scaled_mm_azp_default]""")
             self.assertEqual((r.counts, r.after), ({}, r.before))
             self.assertIn(why, r.decisions[0].reason)
 
-    def test_row8_dequantized_activation_with_other_users(self):
+    def test_dequant_mm_dequantized_activation_with_other_users(self):
         """One dequantized activation feeds siblings' matmuls (a model that dequantizes once;
         Inductor's CSE under freezing), here beside a non-matmul user. Each matmul fuses on
         the quantized rows; the dequantization stays for the sum."""
@@ -242,7 +242,7 @@ return [scaled_mm_azp_default]""")
                 assert_policy(out, e, (xq.double() * sx.double()) @ (w.double() * s.double()).t())
             torch.testing.assert_close(r.out[2], eager[2])
 
-    def test_row8_dequantized_weight_with_another_user_is_left(self):
+    def test_dequant_mm_dequantized_weight_with_another_user_is_left(self):
         def f(xq, sx, wq, sw):
             w = wq.float() * sw
             return F.linear(xq.float() * sx, w), w.sum()
@@ -257,7 +257,7 @@ return [scaled_mm_azp_default]""")
 
 
 @pytest.mark.parametrize("M_", [1, 64, 65])
-def test_row7_threshold_is_inclusive(M_):
+def test_scaled_mm_fp8_direct_threshold_is_inclusive(M_):
     def f(a, b, sa, sb):
         return torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
 

@@ -92,7 +92,7 @@ def test_custom_op_results_are_not_one_value():
 
 
 def test_siblings_quantizing_in_their_m1_launches_keep_their_rows():
-    """Sharing runs after the in-launch quantization (row 14), which takes a row with one user:
+    """Sharing runs after the in-launch quantization (quantized_in_gemv), which takes a row with one user:
     two ungrouped o_proj-style linears of one attention output at M = 1 each quantize it in
     their own launch, with no quantization kernel before them."""
     from fusepass.ops.dynamic import quantize_rows

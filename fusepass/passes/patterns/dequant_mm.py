@@ -1,4 +1,4 @@
-"""Row 8 of the pattern catalogue: dequantize, then a float matmul.
+"""``dequant_mm`` (``docs/PATTERNS.md``): dequantize, then a float matmul.
 
 Matches ``aten.mm(A, B)`` / ``aten.addmm(bias, A, B)`` (what ``x @ w.t()`` and
 ``F.linear`` become), and ``(A.float().unsqueeze(2) * B.float().unsqueeze(0)).sum(1)``

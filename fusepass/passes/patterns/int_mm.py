@@ -1,22 +1,23 @@
-"""Rows 1-5 of the pattern catalogue: an int8 x int8 -> int32 matmul and its epilogue.
+"""``int_mm_scaled``, ``int_mm_azp_per_tensor``, ``int_mm_azp_per_token`` (``docs/PATTERNS.md``):
+an int8 x int8 -> int32 matmul and its epilogue.
 
 Matches ``aten._int_mm(a, b)``, and ``aten.mm`` of int8 tensors cast to int32 (what
 ``torch._higher_order_ops.out_dtype(mm, int32, a, b)``, torchao's compile path, becomes
 on CPU), followed by the elementwise chain ``epilogue.walk`` folds: casts anywhere,
 ``* scale_a`` / ``* scale_b`` in any order or pre-multiplied (0-d, [M, 1], [M], [1, N],
 [N], Python numbers, or those expanded to [M, N]), an optional ``+ bias`` (out dtype or
-fp32), 2-D <-> 3-D views around it (row 3), and before the scaling an optional
+fp32), 2-D <-> 3-D views around it, and before the scaling an optional
 activation zero-point correction:
 
-- ``acc - azp_adj`` or ``acc - z_a * colsum`` with a per-tensor ``z_a`` (row 4),
-- ``acc - azp[M, 1] * azp_adj[1, N]`` (row 5).
+- ``acc - azp_adj`` or ``acc - z_a * colsum`` with a per-tensor ``z_a`` (``int_mm_azp_per_tensor``),
+- ``acc - azp[M, 1] * azp_adj[1, N]`` (``int_mm_azp_per_token``).
 
 Also torchao's CPU form of int8 (oneDNN's u8s8 kernel, taken on CPUs with AVX512-VNNI and
 no AMX): ``a`` shifted to uint8 by ``(a.to(int32) + 128).to(uint8)`` and the shift removed
 by ``- 128 * b.sum(0)`` right after the matmul; the int8 ``a`` is used directly and the
 correction cancels, so an asymmetric activation's zero point may still follow it.
 
-Becomes ``fusepass.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)`` (rows 1-3) or
+Becomes ``fusepass.scaled_mm(a, b, scale_a, scale_b, out_dtype, bias)`` (``int_mm_scaled``) or
 ``fusepass.scaled_mm_azp(a, b, scale_a, scale_b, out_dtype, azp_adj, azp, bias)`` (4-5),
 plus a view back to 3-D where the chain ended in one.
 """

@@ -1,4 +1,5 @@
-"""Rows 6-7 of the pattern catalogue: fp8 (float8_e4m3fn) scaled matmuls.
+"""``scaled_mm_fp8_epilogue`` and ``scaled_mm_fp8_direct`` (``docs/PATTERNS.md``): fp8
+(float8_e4m3fn) scaled matmuls.
 
 Matches ``torch._scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=...)`` and, where
 the installed torch has it (2.12+), ``torch.nn.functional.scaled_mm`` (``aten._scaled_mm_v2``,
@@ -7,8 +8,8 @@ no swizzle and the default contraction dims; then any epilogue after it (scale
 multiplies, bias, casts, views; see ``epilogue.walk``). Its own scales and bias join the
 epilogue.
 
-- Row 6: with arithmetic after the matmul (often unit scales and fp32 out).
-- Row 7: nothing after it but views.
+- ``scaled_mm_fp8_epilogue``: with arithmetic after the matmul (often unit scales and fp32 out).
+- ``scaled_mm_fp8_direct``: nothing after it but views.
 
 Both become ``fusepass.scaled_mm`` with every factor folded into scale_a / scale_b, under
 one rule, where the fused kernel is the faster: a static M at most
