@@ -261,3 +261,21 @@ def test_demo_cuda_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="--device cuda given but no CUDA GPU is available"):
         cli.main(["demo", "--device", "cuda"])
+
+
+def test_the_fusion_table_names_the_fused_op():
+    """A cell says what the linear became (the op), not the pattern's name: ``dequant_mm`` read as
+    "dequantized, then a plain matmul"."""
+    from fusepass.demo.fusion import format_reports
+    from fusepass.explain import Report
+    from fusepass.passes import Decision
+
+    fused = Decision("mm", "layers.0.q_proj", "aten.mm", "", "", pattern="dequant_mm", op="fusepass.scaled_mm")
+    partial = Decision("mm_1", "layers.0.o_proj", "aten.mm", "", "", pattern="dequant_mm", op="fusepass.scaled_mm",
+                       reason="its value is also used")
+    left = Decision("mm_2", "lm_head", "aten.mm", "", "", reason="not quantized")
+    table = format_reports({"decode b1": Report([fused, partial, left])}).splitlines()
+    assert table[1].split() == ["layers.0.q_proj", "scaled_mm"]
+    assert table[2].split() == ["layers.0.o_proj", "scaled_mm", "(in", "part)"]
+    assert table[3].split() == ["lm_head", "left", "alone"]
+    assert "dequant_mm" not in "\n".join(table[:4])

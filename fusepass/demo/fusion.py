@@ -20,9 +20,11 @@ def explain_steps(model, steps: dict[str, dict], step) -> dict[str, Report]:
 
 
 def _cell(d) -> str:
+    """What a linear became, in the user's terms: the fused op (the pattern that matched it is
+    ``explain``'s and the counters' word), ``(in part)`` where its epilogue ended early."""
     if not d.fused:
         return "left alone"
-    return d.pattern + (" (in part)" if getattr(d, "partial", False) else "")
+    return d.op.removeprefix("fusepass.") + (" (in part)" if getattr(d, "partial", False) else "")
 
 
 def format_reports(reports: dict[str, Report], verbose: bool = False) -> str:
