@@ -119,10 +119,8 @@ def nan_if_infinite(scale: torch.Tensor) -> torch.Tensor:
 
 # Every distinct Act of this process, once. A module holds its Act's index here, not the Act:
 # Dynamo guards each value a forward reads, once per source, so ``self.act.kind`` is a guard
-# per module and ``ACTS[self.act_index].kind`` one per distinct Act. A 32-layer prepared int8
-# Llama's compiled call (a stand-in for the graph; 2-core CPU, torch 2.13): 0.41 -> 0.34 ms,
-# bf16's 0.27; on an H200 the host's part of a 32-layer step then matched bf16's (1.03 ms
-# each, where it had been 0.85 ms more; benchmarks/NOTES.md). The slots are there from the
+# per module and ``ACTS[self.act_index].kind`` one per distinct Act: the host's part of a step
+# then matched bf16's (docs/PERFORMANCE.md, "Why the code is as it is": "Acts by index"). The slots are there from the
 # start: Dynamo also guards the list's length, and a new Act filling a free slot must not
 # recompile the models compiled before it (past the last slot the list grows, and they
 # recompile once).

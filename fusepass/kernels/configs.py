@@ -76,10 +76,8 @@ DEFAULT_SMS = 132  # an H100/H200 where there is no CUDA device to ask (the inte
 # on wide weights; on a narrow one they can leave SMs idle (Llama-3-8B's unjoined k_proj,
 # N = 1024, K = 4096, at M = 2048: 64 tiles of 256x128 on 132 SMs). At a static M where the
 # default's tiles are fewer than the SMs and these take less time by rounds of the SMs
-# (``fill_large_m``), these. H200, int8 (fp8 and zero points not measured), that k_proj: 21.1 us
-# at M = 2048 and 20.3 at M = 1024, the best of tune.py's base search at those M, against the
-# persistent 256x128 default's 33.4 and 32.5; at M = 4096 the default's 128 tiles are kept (33.6
-# us; these, 256 tiles, took 40.4). benchmarks/NOTES.md run 29. A symbolic M keeps its bucket's tiles.
+# (``fill_large_m``), these: the best of tune.py's search there, a third faster on that k_proj
+# (docs/PERFORMANCE.md, "Why the code is as it is": "Large-M fill"). A symbolic M keeps its bucket's tiles.
 LARGE_M_FILL = Config(128, 128, 128, num_warps=4, num_stages=4, tma=True)
 
 # Without a table: small M (decode) is bound by reading the weight, so its tiles are short
@@ -197,23 +195,15 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
     return replace(cfg, split_k=1)
 
 
-# M = 1 with a K-contiguous b (``w.t()``): gemv.py's kernel, unsplit. H200, int8, Llama-3-8B's
-# four decode shapes, weights past L2 (benchmarks/NOTES.md): 8 rows of 1024 bytes a program
-# took 71.0 us a layer against the tuned tile kernel's 82.6 (of 108 (block_n, block_k, split,
-# warps) probed, the best split K in 2-4, which through the op's split-K sum cost more than
-# it saved: gemv.py). A second sweep of 32 unsplit (rows, bytes, warps, stages): 2048 bytes
-# a row at a time, and 4 rows a program where 8 would give fewer than GEMV_PROGRAMS_PER_SM
-# programs a SM (N = 4096 on 132 SMs: 512), 66.9 us a layer against 71.0 (o_proj 6.7 against
-# 7.7 us, down_proj 17.8 against 20.3; stages 1 or 3 alike). A narrower weight (an unjoined
-# k_proj, N = 1024: 128 programs of 8 rows) keeps the tiles, whose split fills the GPU
-# (``gemv_fills``).
+# M = 1 with a K-contiguous b (``w.t()``): gemv.py's kernel, unsplit (a split's sum cost more than
+# it saved), 2048 bytes a row at a time, and 4 rows a program where 8 would give fewer than
+# GEMV_PROGRAMS_PER_SM programs a SM: the fastest of the sweeps (docs/PERFORMANCE.md, "Why the code is as it is": "The M = 1 config").
+# A narrower weight (an unjoined k_proj, N = 1024: 128 programs of 8 rows) keeps the tiles,
+# whose split fills the GPU (``gemv_fills``).
 GEMV = Config(block_m=1, block_n=8, block_k=2048, num_warps=4, num_stages=3, gemv=True)
 GEMV_PROGRAMS_PER_SM = 4
 # int8 rows summed by dp4a (gemv.py's DP4A) read 512 bytes a block where a program takes 8 (and
-# 512 divides K):
-# H200, 16 weight copies past L2, in turns: q/k/v 8.34 us against 8.59 at 2048 bytes, gate/up
-# 29.85 against 31.00 (4-row shapes: 2048 stays, o 6.59, down 15.84); fp8 keeps 2048 (q/k/v
-# 9.27 against 10.08 at 512, gate/up 31.24 against 33.09; NOTES.md run 28).
+# 512 divides K), the faster there; fp8 and 4-row programs keep 2048 (docs/PERFORMANCE.md, "Why the code is as it is": "dp4a").
 GEMV_INT8_WIDE_BLOCK_K = 512
 
 
@@ -236,10 +226,7 @@ def gemv_gated_config(N: int, K: int, sms: int) -> Config:
     """The M = 1 kernel's config where it also gates its row (``gemv.py``'s GATED): 16 rows a
     program of GEMV's bytes (where the kernel runs, ``gemv_fills``, that is at least a program a
     SM). Each program reads the row and its gate twice and computes the SiLU, so fewer programs
-    do less of it: H200, int8, Llama-3-8B's down_proj (4096 x 14336), ``do_bench`` medians, 4 / 8
-    / 16 / 32 rows: 56.4 / 37.5 / 34.8 / 50.5 us, against 26.6 on a quantized row (o_proj's 4096
-    x 4096: 20.8 / 14.8 / 14.5 / 20.4; ``benchmarks/NOTES.md`` run 27); with dp4a, 16 rows of
-    2048 bytes 23.26 us, of 512 32.72 (run 28)."""
+    do less of it: 16 rows was the fastest of 4 to 32 (docs/PERFORMANCE.md, "Why the code is as it is": "The gated M = 1 config")."""
     return replace(GEMV, block_n=16, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
 
 

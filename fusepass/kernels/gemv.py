@@ -10,11 +10,8 @@ reduces them against the activation row in registers (int8 products summed exact
 fp8 ones, exact in fp32, summed in fp32). int8 rows whose blocks are whole words, starting on
 word boundaries from a 16-byte one (``launch.dp4a_rows``), are read as int32 words and summed by PTX's ``dp4a``
 (DP4A): one instruction for four products, where converting and multiplying each byte kept
-the loop from the read's pace. H200, Llama-3-8B's four decode shapes (q/k/v 6144x4096, o
-4096x4096, gate/up 28672x4096, down 4096x14336), int8, each in a CUDA graph with 16 weight
-copies rotating past L2: through the op, 60.8 us a layer (3.59 TB/s), 94% of the fastest read of the
-same bytes in one launch we found (57.0 us, ``benchmarks/NOTES.md`` run 28); before dp4a
-64.9 in a process whose read took 56.8; in run 23, 71.0 against the tuned tile kernel's 82.6.
+the loop from the read's pace. Llama-3-8B's decode shapes read at 94% of the fastest one-launch
+read of the same bytes on an H200 (docs/PERFORMANCE.md, "Why the code is as it is": "The M = 1 kernel").
 
 K is not split: in one probe the four shapes took 68.7 us a layer unsplit and 80.5 in two slices
 (``split_k_sum``'s partial buffer and ticket), and an op call then also needs its tickets

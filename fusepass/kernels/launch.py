@@ -98,10 +98,8 @@ def dp4a_rows(b: torch.Tensor, block_k: int, even_k: bool, fake: bool) -> bool:
     interpreter runs no PTX), whole blocks of at least a word (``even_k``, ``block_k``), rows a
     multiple of 4 bytes apart and the first on a 16-byte boundary: the alignment that an eager launch's
     replay key (``ops/eager.py``) and Inductor's checks of its inputs hold a tensor to, so a
-    later call with a weight aligned less cannot reuse the launch. H200, Llama-3-8B's decode
-    shapes at 2048 bytes a block, without and with: q/k/v 9.18 -> 8.59 us, o 6.90 -> 6.59,
-    gate/up 32.44 -> 31.00, down 17.06 -> 15.84, down gated 27.37 -> 23.26
-    (``benchmarks/NOTES.md`` run 28)."""
+    later call with a weight aligned less cannot reuse the launch. Faster at every Llama-3-8B
+    decode shape (docs/PERFORMANCE.md, "Why the code is as it is": "dp4a")."""
     if INTERPRETED or torch.version.hip is not None or b.dtype != torch.int8 or not even_k or block_k < 4:
         return False
     offset = b.storage_offset() if fake else b.data_ptr()

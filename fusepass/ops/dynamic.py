@@ -33,8 +33,7 @@ SiLU-mul kernel runs either.
 Its numbers: its divisions are IEEE fp32 divisions and its roundings to the nearest even
 (int8 steps, e4m3's grid, bf16); eager CUDA divides by a Python float as a multiply by its
 reciprocal and Inductor's ``x / s`` may be approximate, so its scale can be an fp32 rounding
-apart from theirs, and a value at a rounding tie can then land on the neighbouring step
-(``benchmarks/NOTES.md`` run 26, step 3); the SiLU's ``exp`` and division are Triton's
+apart from theirs, and a value at a rounding tie can then land on the neighbouring step; the SiLU's ``exp`` and division are Triton's
 (approximate on a GPU, as in the kernel Inductor makes of the same graph), not eager CUDA's,
 so a gated value can round to a neighbour of eager's in ``x``'s dtype. All within the numerics
 policy; in Triton's interpreter its values equal the CPU's for finite rows. A row holding a

@@ -73,10 +73,8 @@ class PassConfig:
     # Sibling scaled_mm calls (one activation, 2-4 weights: q/k/v) at a static M up to this
     # run as one scaled_mm_group launch (passes/group.py), split as their joined weight would
     # be (at M <= 16 where decode launches split K: inside CUDA graphs); 0 turns grouping off.
-    # 64: the pointer-load buckets (configs.POINTER_LOADS_MAX_M), the group kernel's loads. A
-    # 32-layer hand-written int8 Llama-3-8B, H200, CUDA graphs, batch 64: 1.08x bf16 and
-    # prepare's 581 kernels, where grouping up to 16 left 7 GEMM launches a layer and 1.03x
-    # (benchmarks/NOTES.md run 30).
+    # 64: the pointer-load buckets (configs.POINTER_LOADS_MAX_M), the group kernel's loads; at
+    # batch 64 grouping took a hand-written model to prepare's kernels (docs/PERFORMANCE.md, "Why the code is as it is": "Grouping").
     group_max_m: int = 64
     # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
     # buffers) run as one matmul over their union (passes/join.py), at every M.
@@ -84,11 +82,9 @@ class PassConfig:
     # At M = 1, an int8 or fp8 activation from attention (a multi-output op), or a gated MLP's
     # SiLU-mul, computed and quantized inside the M = 1 kernel, not by a kernel of its own before
     # it (passes/quantize_in.py). None: where the launches run outside CUDA graphs (as
-    # decode_splits tells), where a step is bound by its launches; measured at 32 layers, b1,
-    # default mode (H200, benchmarks/NOTES.md runs 26-27): int8 1.22x bf16 without it, 1.24x with
-    # o_proj's rows, 1.32x with down_proj's too; fp8 1.28x -> 1.35x. In CUDA graphs (each
-    # program reads the row twice more) o_proj's alone went 1.46x -> 1.44x, both 1.46x -> 1.20x
-    # (4 rows a gated program, before gemv_gated_config's 16).
+    # decode_splits tells), where a step is bound by its launches; in CUDA graphs, where a launch
+    # costs nothing, each program reading the row again made the step slower
+    # (docs/PERFORMANCE.md, "Why the code is as it is": "Quantization in the M = 1 launch").
     quantize_in_gemv: bool | None = None
     # At M = 1, an fp8-block (1x128 group) activation quantized inside the M = 1 kernel
     # (passes/quantize_in.py, quantize_groups_in_gemv), in CUDA graphs too: there it brought a
@@ -284,7 +280,7 @@ class RewritePass(FusePass):
     Inductor's freezing turns the weights into constants between the joint-graph passes and the
     post-grad ones, and folds what is computed from constants alone: a dequantized weight
     became an fp32 constant and its matmul a float one before the post-grad pass saw it (32
-    layers, H200: kernel time 3.42 -> 8.82 ms a b1 step, benchmarks/NOTES.md run 31). Rewritten
+    layers: kernel time 2.6x a b1 step's, docs/PERFORMANCE.md, "Inductor's freezing"). Rewritten
     first, the weight and its scale reach freezing as a fusepass op's operands, which it cannot
     fold (the activation is an input); what only a weight needs (a view, a cast of its scale)
     it folds once. Not the lowering: its launches are mutations that return nothing, which

@@ -2,7 +2,7 @@
 
 The rewrite leaves ``fusepass.scaled_mm`` / ``scaled_mm_azp`` / ``int_mm`` calls in
 Inductor's post-grad graph. Left as they are, Inductor calls them through the dispatcher and
-Python on every run (93 us of host time a call on an H200, issue 10). Here each call is
+Python on every run (93 us of host time a call on an H200). Here each call is
 replaced by the trace of its implementation (``fusepass.ops.scaled_mm.IMPLS``, the body of
 the ``triton_op``):
 

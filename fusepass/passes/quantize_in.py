@@ -29,12 +29,9 @@ M = 1 kernel quantizes (and gates) the row itself (``kernels/gemv.py``). A Llama
 o_proj and down_proj: o_proj's quantization is the one of a decode layer that Inductor launches
 on its own (q/k/v's and gate/up's fuse into the RMSNorm kernel); down_proj's is fused with the
 SiLU-mul into a kernel that the gated row makes unnecessary. Why: a default-mode decode step is
-bound by its launches (``benchmarks/NOTES.md`` run 25, step 4), and these are two of a layer's
-17: at 32 layers, b1, one process (run 27) int8 went from 1.24x bf16 (o_proj's alone) to 1.32x,
-fp8 from 1.28x (neither) to 1.35x. Inside CUDA graphs a launch costs nothing and each program
-reads the row (and the gate) twice more: o_proj's alone took int8 from 1.46x to 1.44x there (run
-26), both rows from 1.46x to 1.20x (run 27, 4 rows a gated program), so there the default
-leaves them to their kernels.
+bound by its launches, and these are two of a layer's 17; inside CUDA graphs a launch costs
+nothing and each program reads the row (and the gate) twice more, so there the default leaves
+them to their kernels (docs/PERFORMANCE.md, "Why the code is as it is": "Quantization in the M = 1 launch").
 """
 
 from __future__ import annotations

@@ -13,9 +13,8 @@ every call it replaces an operand of); the copies go dead.
 
 Why: where no join or group took the siblings (above ``group_max_m``: prefill), Inductor fused
 the copies into one kernel but still computed and wrote each, a row reduction and an 8-bit
-activation more per copy: a hand-written int8 Llama-3-8B's 2048-token prefill spent 2.18 ms in
-its RMSNorm-and-quantize kernels against 1.68 ms for the same model through
-``fusepass.prepare`` (32 layers, CUDA graphs, H200, ``benchmarks/NOTES.md`` run 29). It runs
+activation more per copy (a hand-written model's prefill spent a third more in those kernels
+than the same model prepared: docs/PERFORMANCE.md, "Why the code is as it is": "Sharing"). It runs
 last, since a call that quantizes its row in its own launch (``quantize_in.py``) must be that
 row's only user.
 """

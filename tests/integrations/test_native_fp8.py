@@ -252,7 +252,7 @@ def _fp8_linear(**kwargs):
 
 @pytest.mark.parametrize(("make", "why"), [
     (lambda: _fp8_linear(block_size=(128, 128), scale_fmt="ue8m0"), "UE8M0"),
-    (lambda: _fp8_linear(block_size=(64, 64)), r"\[64, 64\] weight blocks: fusepass runs 128x128 blocks"),
+    (lambda: _fp8_linear(block_size=(64, 64)), r"\[64, 64\] weight blocks: fusepass takes 128x128 blocks"),
     (lambda: _fp8_linear(block_size=(128, 128), activation_scheme="static"),
      "static activation scale and 128x128 weight blocks"),
     (lambda: _fp8_linear(block_size=None, activation_scheme="static"), "static activation_scale of 0.0"),

@@ -53,15 +53,15 @@ def _fp8_linear(m) -> Quantized | str:
     token, or by the checkpoint's ``activation_scale`` where ``activation_scheme`` is "static")."""
     w, s, what = m.weight, m.weight_scale_inv, "transformers' FP8Linear"
     if w.dtype == torch.int8:
-        return f"{what} with FP4-packed weights (two e2m1 values a byte): fusepass runs 8-bit weights"
+        return f"{what} with FP4-packed weights (two e2m1 values a byte): fusepass takes 8-bit weights"
     if w.dtype != _FP8:
-        return f"{what} with a {w.dtype} weight: fusepass runs float8_e4m3fn weights"
+        return f"{what} with a {w.dtype} weight: fusepass takes float8_e4m3fn weights"
     if s.dtype != torch.float32:
         return (f"{what} with {s.dtype} weight scales (UE8M0: powers of two, whose recipe also rounds the "
-                "activations' scales to powers of two): fusepass runs fp32 scales")
+                "activations' scales to powers of two): fusepass takes fp32 scales")
     scheme, block, (N, K) = m.activation_scheme, m.block_size, w.shape
     if scheme not in ("dynamic", "static"):
-        return f"{what} with activation_scheme {scheme!r}: fusepass runs 'dynamic' and 'static'"
+        return f"{what} with activation_scheme {scheme!r}: fusepass takes 'dynamic' and 'static'"
     if block is None:
         if s.numel() != 1:
             return f"{what} without a block size (per-tensor) but weight_scale_inv of shape {tuple(s.shape)}"
@@ -73,9 +73,9 @@ def _fp8_linear(m) -> Quantized | str:
             return f"{what} with a static activation_scale of {bad_input_scale(a)}: one positive finite value expected"
         return Quantized(w.detach(), scale, Act("fp8-static"), a.detach().float().reshape(()))
     if list(block) != [BLOCK, BLOCK]:
-        return f"{what} with {list(block)} weight blocks: fusepass runs 128x128 blocks"
+        return f"{what} with {list(block)} weight blocks: fusepass takes 128x128 blocks"
     if scheme == "static":
-        return (f"{what} with a static activation scale and 128x128 weight blocks: fusepass runs static activation "
+        return (f"{what} with a static activation scale and 128x128 weight blocks: fusepass takes static activation "
                 "scales beside per-tensor weight scales")
     if N % BLOCK or K % BLOCK:
         return f"{what}: a {(N, K)} weight is not whole 128x128 blocks"
@@ -94,7 +94,7 @@ def _fbgemm_fp8_linear(m) -> Quantized | str:
     amax at most ``input_scale_ub`` (the config's ``activation_scale_ub``)."""
     w, s, ub, what = m.weight, m.weight_scale, m.input_scale_ub, "transformers' FbgemmFp8Linear"
     if w.dtype != _FP8:
-        return f"{what} with a {w.dtype} weight: fusepass runs float8_e4m3fn weights"
+        return f"{what} with a {w.dtype} weight: fusepass takes float8_e4m3fn weights"
     N = w.shape[0]
     if s.numel() != N or not s.is_floating_point():
         return f"{what}: weight_scale {s.dtype} of shape {tuple(s.shape)} for {N} rows (one float scale a row expected)"
