@@ -105,4 +105,4 @@ def scaled_mm_group(a, b, scale_a, scale_b, out_dtype, bias=None) -> list:
         bias = [None] * len(b)
     _check_lists(b, scale_b, bias)
     return call("scaled_mm_group", scaled_mm_group_impl, (a, list(b), scale_a, list(scale_b), out_dtype, list(bias)),
-                out_dtype, replay=False)
+                out_dtype, replay=False, members=(*b, *scale_b, *bias))

@@ -58,26 +58,31 @@ def launch_graphs(t: torch.Tensor) -> Graphs:
     return Graphs(inductor=bool(inductor_config().triton.cudagraphs), caller=SPLIT_OUTSIDE_GRAPHS.get())
 
 
-def plain_eager(*tensors) -> bool:
+def plain_eager(*args) -> bool:
     """True where a call may skip the dispatcher and run the implementation directly
-    (``eager.call``): eager (not traced, no mode, no functorch transform), plain tensors (or
-    None), nothing that needs autograd. The dispatcher's Python custom-op path costs 25-30 us a
-    call on the H200's host. Anything else goes through ``torch.ops.fusepass.*``, which also
-    raises the autograd error."""
+    (``eager.call``): eager (not traced, no mode, no functorch transform), its tensors plain
+    (not subclasses; its other arguments anything), none needing autograd. The dispatcher's
+    Python custom-op path costs 25-30 us a call on the H200's host. Anything else goes through
+    ``torch.ops.fusepass.*``, which also raises the autograd error."""
     if torch.compiler.is_compiling() or not plain_dispatch():
         return False
     grad = torch.is_grad_enabled()
-    return all(t is None or (type(t) is torch.Tensor and not (grad and t.requires_grad)) for t in tensors)
+    for t in args:
+        if type(t) is torch.Tensor:
+            if grad and t.requires_grad:
+                return False
+        elif isinstance(t, torch.Tensor):  # a subclass
+            return False
+    return True
 
 
-def call(name: str, impl, args: tuple, out_dtype: torch.dtype | None = None, replay: bool = True):
-    """A Python wrapper's call of ``fusepass::<name>`` on ``args``: directly where
-    ``plain_eager`` (``replay``: through ``eager.call``, which repeats a recorded launch), else
-    through the dispatcher, after checking an ``out_dtype`` argument (the dispatcher's own
-    error is less clear)."""
-    tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))
-               if t is None or isinstance(t, torch.Tensor)]
-    if plain_eager(*tensors):
+def call(name: str, impl, args: tuple, out_dtype: torch.dtype | None = None, replay: bool = True,
+         members: tuple = ()):
+    """A Python wrapper's call of ``fusepass::<name>`` on ``args`` (``members``: the tensors of
+    its list arguments): directly where ``plain_eager`` (``replay``: through ``eager.call``, which
+    repeats a recorded launch), else through the dispatcher, after checking an ``out_dtype``
+    argument (the dispatcher's own error is less clear)."""
+    if plain_eager(*args, *members):
         return eager.call(impl, *args) if replay else impl(*args)
     if out_dtype is not None:
         check_out_dtype(f"fusepass.{name}", out_dtype)

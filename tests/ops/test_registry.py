@@ -88,3 +88,14 @@ def test_no_gradient(op):
     args[first] = args[first].clone().requires_grad_()
     with pytest.raises(RuntimeError, match=f"fusepass.{op} has no gradient"):
         getattr(torch.ops.fusepass, op)(*args)
+
+
+def test_a_wrapper_checks_its_list_members_too():
+    """The group op's wrapper takes the dispatcher (and its autograd error) where a weight's scale,
+    inside a list argument, needs a gradient; not the direct path, which has none."""
+    args = list(_args("scaled_mm_group"))
+    args[3] = [args[3][0].clone().requires_grad_(), args[3][1]]
+    with pytest.raises(RuntimeError, match="fusepass.scaled_mm_group has no gradient"):
+        fusepass.ops.scaled_mm_group(*args)
+    args[3] = [s.detach() for s in args[3]]
+    assert [o.shape for o in fusepass.ops.scaled_mm_group(*args)] == [(3, 128), (3, 128)]
