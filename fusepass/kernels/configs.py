@@ -197,13 +197,15 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
 
 # M = 1 with a K-contiguous b (``w.t()``): gemv.py's kernel, unsplit (a split's sum cost more than
 # it saved), 2048 bytes a row at a time, and 4 rows a program where 8 would give fewer than
-# GEMV_PROGRAMS_PER_SM programs a SM: the fastest of the sweeps (docs/PERFORMANCE.md, "Why the code is as it is": "The M = 1 config").
+# GEMV_PROGRAMS_PER_SM programs a SM: the fastest of the sweeps
+# (docs/PERFORMANCE.md, "Why the code is as it is": "The M = 1 config").
 # A narrower weight (an unjoined k_proj, N = 1024: 128 programs of 8 rows) keeps the tiles,
 # whose split fills the GPU (``gemv_fills``).
 GEMV = Config(block_m=1, block_n=8, block_k=2048, num_warps=4, num_stages=3, gemv=True)
 GEMV_PROGRAMS_PER_SM = 4
 # int8 rows summed by dp4a (gemv.py's DP4A) read 512 bytes a block where a program takes 8 (and
-# 512 divides K), the faster there; fp8 and 4-row programs keep 2048 (docs/PERFORMANCE.md, "Why the code is as it is": "dp4a").
+# 512 divides K), the faster there; fp8 and 4-row programs keep 2048
+# (docs/PERFORMANCE.md, "Why the code is as it is": "dp4a").
 GEMV_INT8_WIDE_BLOCK_K = 512
 
 
@@ -226,7 +228,8 @@ def gemv_gated_config(N: int, K: int, sms: int) -> Config:
     """The M = 1 kernel's config where it also gates its row (``gemv.py``'s GATED): 16 rows a
     program of GEMV's bytes (where the kernel runs, ``gemv_fills``, that is at least a program a
     SM). Each program reads the row and its gate twice and computes the SiLU, so fewer programs
-    do less of it: 16 rows was the fastest of 4 to 32 (docs/PERFORMANCE.md, "Why the code is as it is": "The gated M = 1 config")."""
+    do less of it: 16 rows was the fastest of 4 to 32 (docs/PERFORMANCE.md, "Why the code is
+    as it is": "The gated M = 1 config")."""
     return replace(GEMV, block_n=16, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
 
 

@@ -40,6 +40,13 @@ class Graphs:
 NO_GRAPHS = Graphs()
 
 
+def traced_graphs(inductor_cudagraphs: bool, caller: bool) -> Graphs:
+    """Where a compile's traced launches run: ``Graphs`` from Inductor's ``triton.cudagraphs``
+    option for the compile and whether the caller captures (``PassConfig.split_k_outside_cuda_graphs``
+    or ``SPLIT_OUTSIDE_GRAPHS``)."""
+    return Graphs(inductor=bool(inductor_cudagraphs), caller=bool(caller))
+
+
 def decode_splits(fake: bool, symbolic_m: bool, graphs: Graphs) -> bool:
     """Whether a decode launch may split K (the configs' ``split_decode``).
 

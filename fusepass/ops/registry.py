@@ -22,7 +22,7 @@ from torch.library import triton_op
 
 from .._compat import inductor_config, plain_dispatch
 from ..kernels.launch import traced
-from ..kernels.policy import NO_GRAPHS, SPLIT_OUTSIDE_GRAPHS, Graphs
+from ..kernels.policy import NO_GRAPHS, SPLIT_OUTSIDE_GRAPHS, Graphs, traced_graphs
 from . import eager
 from .checks import check_out_dtype
 
@@ -55,7 +55,7 @@ def launch_graphs(t: torch.Tensor) -> Graphs:
     is on for this compile, or inside the caller's own (``policy.splitting_outside_graphs``)."""
     if not traced(t):
         return NO_GRAPHS
-    return Graphs(inductor=bool(inductor_config().triton.cudagraphs), caller=SPLIT_OUTSIDE_GRAPHS.get())
+    return traced_graphs(inductor_config().triton.cudagraphs, SPLIT_OUTSIDE_GRAPHS.get())
 
 
 def plain_eager(*args) -> bool:

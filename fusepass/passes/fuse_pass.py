@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .._compat import CustomGraphPass, V, counters, get_hash_for_files, inductor_config
-from ..kernels.policy import FP8_CUBLAS_ABOVE_M, Graphs, decode_splits, splitting_outside_graphs
+from ..kernels.policy import FP8_CUBLAS_ABOVE_M, decode_splits, splitting_outside_graphs, traced_graphs
 from .graph import Rejected, aten, location, module_path, tensor_val
 from .group import NAME as GROUPED, group_siblings
 from .join import NAME as JOINED, join_siblings
@@ -74,7 +74,8 @@ class PassConfig:
     # run as one scaled_mm_group launch (passes/group.py), split as their joined weight would
     # be (at M <= 16 where decode launches split K: inside CUDA graphs); 0 turns grouping off.
     # 64: the pointer-load buckets (configs.POINTER_LOADS_MAX_M), the group kernel's loads; at
-    # batch 64 grouping took a hand-written model to prepare's kernels (docs/PERFORMANCE.md, "Why the code is as it is": "Grouping").
+    # batch 64 grouping took a hand-written model to prepare's kernels
+    # (docs/PERFORMANCE.md, "Why the code is as it is": "Grouping").
     group_max_m: int = 64
     # Sibling calls over touching row ranges of one weight buffer (fusepass.prepare's shared
     # buffers) run as one matmul over their union (passes/join.py), at every M.
@@ -197,7 +198,7 @@ def _quantizes_in_gemv(config: PassConfig) -> bool:
     """``config.quantize_in_gemv``, or where None, whether the launches run outside CUDA graphs."""
     if config.quantize_in_gemv is not None:
         return config.quantize_in_gemv
-    graphs = Graphs(inductor=bool(inductor_config().triton.cudagraphs), caller=config.split_k_outside_cuda_graphs)
+    graphs = traced_graphs(inductor_config().triton.cudagraphs, config.split_k_outside_cuda_graphs)
     return not decode_splits(True, False, graphs)
 
 
