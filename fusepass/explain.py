@@ -35,7 +35,8 @@ class Report:
         for d in self.decisions:
             head = f"  {d.module + ': ' if d.module else ''}{d.target}({d.shapes})"
             if d.partial:
-                verdict = f"fused in part into {d.op} [{d.pattern}]; the epilogue ends early: {d.reason}"
+                verdict = (f"fused in part into {d.op} [{d.pattern}]: {d.kept}; the epilogue ends early: {d.reason}"
+                           f"\n      cost: {d.cost}")
             elif d.fused:
                 verdict = f"fused whole into {d.op} [{d.pattern}]"
             else:

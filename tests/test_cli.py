@@ -88,3 +88,26 @@ def test_import_fusepass_needs_neither_transformers_nor_torchao():
     code = "import sys, fusepass, fusepass.cli; print(sorted({'transformers', 'torchao'} & set(sys.modules)))"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+
+
+def test_help_answers_without_importing_torch():
+    """``fusepass demo --help`` is read before torch is imported (torch alone takes seconds): the
+    script's entry point, fusepass_cli, parses first."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fusepass_cli\ntry:\n    fusepass_cli.main(['demo', '--help'])\nexcept SystemExit as e:\n"
+            "    assert e.code == 0\nprint(sorted(m for m in ('torch', 'fusepass') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--quantizer" in r.stdout and r.stdout.strip().endswith("[]"), r.stdout
+
+
+def test_the_script_runs_fusepass_cli():
+    """pyproject's script entry point is the torch-free parser (the test above)."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert project["project"]["scripts"]["fusepass"] == "fusepass_cli:main"
+    assert "fusepass_cli" in project["tool"]["setuptools"]["py-modules"]

@@ -55,7 +55,8 @@ def format_reports(reports: dict[str, Report], verbose: bool = False) -> str:
     if left:
         lines.append("fused in part or left alone, and why:")
         for label, d in left:
-            lines.append(f"  {label}, {d.module or d.node}: {d.reason}")
+            cost = f" (cost: {d.cost})" if getattr(d, "cost", "") else ""
+            lines.append(f"  {label}, {d.module or d.node}: {d.reason}{cost}")
     if verbose:
         for label, report in reports.items():
             lines += ["", f"{label}:", str(report)]

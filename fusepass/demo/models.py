@@ -15,11 +15,9 @@ import os
 from dataclasses import dataclass
 
 import torch
+from fusepass_cli import QUANTS
 from torch import nn
 
-QUANTS = ("int8", "int8-asym", "fp8")
-QUANTIZERS = ("torchao", "handwritten", "compressed-tensors")  # (the demo's; the benchmark also has
-# "transformers" and "fbgemm": transformers' FP8 modules, quantized_copy)
 # compressed-tensors' scheme for each --quant (llm-compressor's presets; int8-asym: W8A8 with
 # asymmetric dynamic activations, which the format takes but no preset names); fp8-block
 # (DeepSeek-V3's 128x128 weight blocks) for the benchmark only: torchao has no such --quant

@@ -20,21 +20,14 @@ from ..backend import fusepass_backend
 from ..integrations import prepare
 from . import models
 
-# Defaults by device: a tiny model on CPU (Inductor compiles C++ there, slowly); on CUDA,
-# Llama-3-8B's full size: a cost per quantized weight shows only at full depth.
-CPU_DEFAULTS = dict(layers=2, hidden_size=256, intermediate_size=512, heads=4, kv_heads=2, vocab_size=1024,
-                    prompt_len=32, new_tokens=16, batch=4)
-CUDA_DEFAULTS = dict(layers=32, hidden_size=4096, intermediate_size=14336, heads=32, kv_heads=8, vocab_size=128256,
-                     prompt_len=2048, new_tokens=32, batch=16)
-
 
 @dataclass
 class Options:
     device: torch.device
     model: str | None  # a checkpoint (directory or hub id); None: random, of ``sizes``
     sizes: models.Sizes | None
-    quant: str  # models.QUANTS
-    quantizer: str  # models.QUANTIZERS
+    quant: str  # fusepass_cli.QUANTS
+    quantizer: str  # fusepass_cli.QUANTIZERS
     prompt_len: int
     new_tokens: int
     batch: int

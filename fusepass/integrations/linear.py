@@ -4,10 +4,10 @@ What ``fusepass.prepare`` turns a quantized model's linears into (``prepare.py``
 stay the checkpoint's own int8 / fp8 values and scales; the activation is quantized per token
 in the forward, as the source format prescribes (its ``Act``), then one ``fusepass.scaled_mm``
 (or ``scaled_mm_azp``, ``scaled_mm_blockwise``) call does the matmul and its whole epilogue.
-The forward runs in eager (the ops' CPU reference or CUDA kernels), and compiled as forms the
-pass fuses (``fusepass::w8a8_linear``, below; exported, the forms themselves); other backends
-run those forms as written, except asymmetric activations on CUDA at M <= 16
-(``torch._int_mm``'s limit).
+The forward runs in eager (the ops' CPU reference or CUDA kernels), and compiled as one
+``fusepass::w8a8_linear`` node (below) that the pass expands into forms it fuses; other backends
+(stock Inductor without the pass, ``aot_eager``) run the node as a call, the eager forward;
+exported, the forms themselves.
 
 Sibling linears of one parent module with the same input width and scheme (a Llama
 attention's q/k/v/o, an MLP's gate/up) keep their weights in one ``Joint`` buffer each, rows
@@ -35,6 +35,7 @@ from ..ops import blockwise as blockwise_op, dynamic as dynamic_op
 from ..ops.blockwise import quantize_groups
 from ..ops.checks import MAX_K_INT8, MAX_K_INT8_AZP
 from ..ops.dynamic import quantize_rows
+from ..passes.expand import EXPANSIONS
 
 # float32's eps: torchao's floor for a per-token scale (an all-zero row quantizes to zeros)
 SCALE_EPS = torch.finfo(torch.float32).eps
@@ -334,6 +335,11 @@ def _forward(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, index):
         if exporting():
             return _traced(*args, SOURCE)
         return torch.ops.fusepass.w8a8_linear(*args, SOURCE)
+    return _on_ops(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, act)
+
+
+def _on_ops(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, act: Act):
+    """The forward on fusepass's ops (eager, and ``w8a8_linear`` run as a call)."""
     q, scale, zp, w = _operands(x, weight, lo, hi, act, input_scale)
     bias = None if bias is None else bias[lo:hi]
     if act.kind == "fp8-block":
@@ -392,15 +398,17 @@ class _WithGradient(torch.autograd.Function):
         return grad_x, None, None, None, grad_bias, None, None, None, None
 
 
-# What a compiler sees of a W8A8Linear: one node, ``fusepass::w8a8_linear``, for Dynamo to
-# trace, where the forward's own ops were about 20 (the per-token quantization and the
-# dequantized product below) against nn.Linear's 2; Dynamo's tracing of a 32-layer int8 Llama
-# took twice bf16's. CompositeImplicitAutograd: AOTAutograd traces the op into the ATen forms
-# below, the graph the pass matches, as if the forward had been traced. Not part of the
+# What a compiler sees of a W8A8Linear: one node, ``fusepass::w8a8_linear``, for Dynamo and
+# AOTAutograd to trace, where the forward's own ops were about 20 (the per-token quantization and
+# the dequantized product below) against nn.Linear's 2: traced three times over (Dynamo's fake
+# propagation, AOTAutograd's two passes), they made a 32-layer model's compile twice bf16's
+# (docs/PERFORMANCE.md, "Compile time"). The pass's first step (``passes/expand.py``) replaces the
+# node by those forms (``_traced``), the graph the patterns match, as if the forward had been
+# traced; run as a call (another backend, eager), it is the forward on the ops. Not part of the
 # ops' contract (``docs/OPS.md``): a way to trace, its schema free to change.
-# ``source``: the hash of every file the body's forms come from (this one, the ops' quantization
-# recipes and the policy they read). AOTAutograd's cache keys Dynamo's graph, which holds the
-# node and not its body: without it a second process would be served the forms of an older body.
+# ``source``: the hash of every file the forms come from (this one, the ops' quantization
+# recipes and the policy they read). Inductor's and AOTAutograd's caches key the graph, which
+# holds the node and not its forms: without it a second process would be served an older body's.
 # (Under torch.export the forward traces those forms itself: no node.)
 TRACED_FROM = (__file__, dynamic_op.__file__, blockwise_op.__file__, policy.__file__)
 SOURCE = hashlib.sha256(b"".join(Path(f).read_bytes() for f in TRACED_FROM)).hexdigest()[:16]
@@ -420,11 +428,11 @@ def _traced(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, kind, di
     """Rows [lo, hi) of the joint weight applied to ``x``, in plain ATen ops:
 
     - symmetric (``fp8-static`` too, its scale per-tensor): a float matmul of the
-      dequantized operands (the pass's ``dequant_mm``), which another backend computes as written (correct,
-      without the fused kernels);
+      dequantized operands (the pass's ``dequant_mm``), which an exported program computes as
+      written (correct, without the fused kernels);
     - asymmetric: ``_int_mm`` and the zero-point correction with the stored row sums
       (``int_mm_azp_per_token``). As a float matmul the pass would sum the weight's columns in the
-      graph, a second read of the weight on every call. Another backend on CUDA needs
+      graph, a second read of the weight on every call. An exported program on CUDA needs
       M > 16 for ``_int_mm`` there;
     - ``fp8-block``: activations over 128-wide groups, the weight's scales spread over its
       128x128 blocks (``dequant_mm_blockwise``).
@@ -434,7 +442,7 @@ def _traced(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, kind, di
     q, scale, zp, w = _operands(x, weight, lo, hi, Act(kind, divisor, floor, ceiling), input_scale)
     if kind == "fp8-block":
         a = (q.float().unflatten(-1, (-1, BLOCK)) * scale.unsqueeze(-1)).flatten(-2)
-        y = a @ (w.t().float() * _spread(_scale_rows(weight_scale, lo, hi, kind))).t()
+        y = a @ (weight[lo:hi].float() * _spread(_scale_rows(weight_scale, lo, hi, kind))).t()  # (w's rows: one transpose)
     elif zp is None:
         y = (q.float() * scale) @ (w.float() * weight_scale[lo:hi])
     else:
@@ -444,4 +452,14 @@ def _traced(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, kind, di
     return y.to(x.dtype).reshape(*x.shape[:-1], hi - lo)
 
 
-_LIB.impl("w8a8_linear", _traced, "CompositeImplicitAutograd")
+def _as_call(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, kind, divisor, floor, ceiling, source):
+    return _on_ops(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, Act(kind, divisor, floor, ceiling))
+
+
+def _fake(x, weight, weight_scale, colsum, bias, input_scale, lo, hi, kind, divisor, floor, ceiling, source):
+    return x.new_empty((*x.shape[:-1], hi - lo))
+
+
+_LIB.impl("w8a8_linear", _as_call, "CompositeExplicitAutograd")
+torch.library.register_fake("fusepass::w8a8_linear", _fake, lib=_LIB)
+EXPANSIONS[torch.ops.fusepass.w8a8_linear.default] = _traced

@@ -82,6 +82,20 @@ class Epilogue:
     def add_factor(self, arg, axis: Axis) -> None:
         {Axis.ROW: self.rows, Axis.COL: self.cols, Axis.TENSOR: self.scalars}[axis].append(arg)
 
+    def summary(self) -> str:
+        """What the fused kernel applies, in user terms (``explain``'s "fused in part" line)."""
+        parts = ["the 128x128 block scales"] if self.block_scaled else []
+        for kind, found in (("per-token", self.rows), ("per-channel", self.cols), ("per-tensor", self.scalars)):
+            parts += [f"a {kind} scale"] * len(found)
+        if self.azp_adj is not None:
+            parts.append("the zero-point correction")
+        if self.bias is not None:
+            parts.append("the bias")
+        casts = [cast_dtype(n) for n in self.chain if cast_dtype(n) is not None]
+        if casts and casts[-1] in (torch.bfloat16, torch.float16):  # (not the accumulator's to float32)
+            parts.append(f"the cast to {str(casts[-1]).replace('torch.', '')}")
+        return "the matmul" + (" with " + ", ".join(parts) if parts else " alone")
+
 
 @dataclass(frozen=True)
 class Next:

@@ -15,6 +15,7 @@ steps over no-op casts, clones and views itself.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ import torch.fx as fx
 from .._compat import CustomGraphPass, V, counters, get_hash_for_files, inductor_config
 from ..kernels.policy import FP8_CUBLAS_ABOVE_M, decode_splits, splitting_outside_graphs, traced_graphs
 from .graph import Rejected, aten, location, module_path, tensor_val
+from .expand import NAME as EXPANDED, expand
 from .group import NAME as GROUPED, group_siblings
 from .join import NAME as JOINED, join_siblings
 from .lower import lower
@@ -114,6 +116,8 @@ class Decision:
     op: str | None = None  # the fused op it became
     reason: str = ""  # why it stayed, when it did; where a fused epilogue ended early, why
     rerouted: str | None = None  # the op an int8 matmul left alone was routed to (see route.py)
+    kept: str = ""  # where fused in part: what the fused kernel applies
+    cost: str = ""  # where fused in part: what the steps left outside cost
 
     @property
     def fused(self) -> bool:
@@ -174,6 +178,8 @@ def _try(graph: fx.Graph, node: fx.Node, pattern, config: PassConfig) -> Decisio
         if cand is None:
             return None
         d.op = cand.op_name
+        if cand.ep.stop:
+            d.kept, d.cost = cand.ep.summary(), _cost_outside(cand.last)
         emit(graph, cand)
     except Rejected as e:
         d.op, d.reason = None, str(e)
@@ -194,6 +200,20 @@ def _try(graph: fx.Graph, node: fx.Node, pattern, config: PassConfig) -> Decisio
     return d
 
 
+def _cost_outside(last: fx.Node) -> str:
+    """What a fused-in-part epilogue costs: the steps after ``last`` read its output again."""
+    v = tensor_val(last)
+    rows, width = v.shape[:-1], v.shape[-1]
+    row_bytes = int(width) * v.element_size()
+    shape = f"{str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+    if not all(isinstance(r, int) for r in rows):  # a symbolic M: per row
+        amount = f"{row_bytes} bytes a row"
+    else:
+        total = math.prod(rows) * row_bytes
+        amount = f"{total / 2**20:.1f} MiB a call" if total >= 2**20 else f"{total / 2**10:.1f} KiB a call"
+    return f"the steps after it run outside the GEMM: at most one more kernel, reading its {shape} output again ({amount})"
+
+
 def _quantizes_in_gemv(config: PassConfig) -> bool:
     """``config.quantize_in_gemv``, or where None, whether the launches run outside CUDA graphs."""
     if config.quantize_in_gemv is not None:
@@ -208,6 +228,7 @@ def _quantizes_in_gemv(config: PassConfig) -> bool:
 # an in-launch quantization still finds its row). The lowering to kernel launches follows
 # (``FusePass.__call__``).
 PIPELINE = (
+    Step(EXPANDED, lambda graph, config: expand(graph) and None, lambda config: bool(config.patterns)),
     Step("patterns", fuse_patterns, lambda config: bool(config.patterns)),
     Step(JOINED, lambda graph, config: [", ".join(n) for n in join_siblings(graph)],
          lambda config: config.join_siblings, "run as one matmul over their shared weight buffer"),
@@ -253,7 +274,7 @@ class FusePass(CustomGraphPass):
             if not step.enabled(self.config):
                 continue
             done = step.fn(graph, self.config) or []
-            if step is PIPELINE[0]:  # (decisions, counted by pattern as they are made)
+            if step.name == "patterns":  # (decisions, counted by pattern as they are made)
                 decisions = done
                 changes += sum(d.fused or d.rerouted is not None for d in done)
                 continue

@@ -91,12 +91,11 @@ def _signature(node: fx.Node, args: list):
         return None
 
 
-def _trace(node: fx.Node, args: list) -> tuple[fx.GraphModule, list] | None:
+def _trace(node: fx.Node, args: list, impl) -> tuple[fx.GraphModule, list] | None:
     """The trace of ``node``'s implementation on its arguments' fake values, and the
     graph nodes its placeholders stand for: the tensor arguments, then the size symbols
     they hold (see ``GRAPH_SYMBOLS``). None where a symbol has no source in the graph.
-    ``args``: ``node``'s schema arguments."""
-    impl = IMPLS[node.target]
+    ``args``: ``node``'s schema arguments; ``impl``: what it is replaced by."""
     tensors = _tensors(args)
     fakes = [t.meta["val"] for t in tensors]
     symbols = sorted(set().union(*map(free_symbols, fakes)), key=str)
@@ -138,10 +137,13 @@ def _refresh(copied: list[fx.Node]) -> None:
             n.meta["val"] = n.target(*args, **kwargs)
 
 
-def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list, reused: bool = False) -> None:
+def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list, reused: bool = False,
+            keep_meta: tuple = ()) -> None:
     """Put ``gm``'s nodes in place of ``node`` (its subgraphs, e.g. cond branches, become
     submodules of the graph's module) and reroute ``node``'s users to its output;
-    ``reused``: ``gm`` was traced for another call of the same signature (``_refresh``)."""
+    ``reused``: ``gm`` was traced for another call of the same signature (``_refresh``);
+    ``keep_meta``: the keys of ``node``'s meta every new node takes (where it came from).
+    """
     root = graph.owning_module
     for sub in gm.graph.find_nodes(op="get_attr"):
         i = 0
@@ -153,8 +155,11 @@ def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list, re
     copies = dict(zip(placeholders, inputs))
     with graph.inserting_before(node):
         out = graph.graph_copy(gm.graph, copies)
+    new = [copies[n] for n in gm.graph.nodes if n.op == "call_function"]
     if reused:
-        _refresh([copies[n] for n in gm.graph.nodes if n.op == "call_function"])
+        _refresh(new)
+    for n in new:
+        n.meta.update({k: node.meta[k] for k in keep_meta if k in node.meta})
     if isinstance(out, (list, tuple)):  # scaled_mm_group: its users are getitems
         for user in list(node.users):
             assert user.target is operator.getitem, user
@@ -167,32 +172,42 @@ def _splice(graph: fx.Graph, node: fx.Node, gm: fx.GraphModule, inputs: list, re
     graph.erase_node(node)
 
 
-def lower(graph: fx.Graph) -> int:
-    """Replace every fusepass op call of ``graph`` by its implementation; returns how many.
+def replace_calls(graph: fx.Graph, impls: dict, skip=lambda node: False, keep_meta: tuple = ()) -> int:
+    """Replace every call of an op in ``impls`` (op -> its implementation) by the trace of that
+    implementation on the call's arguments, except where ``skip(node)``; returns how many.
     Calls of one signature (``_signature``: a model's layers) share one trace: a trace costs
     about 10 ms (a 32-layer torchao int8 Llama's decode graph on a CPU: 129 traces, 1.25 s of
     the pass's 1.96 s)."""
     count, traces = 0, {}
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in IMPLS:
+        if node.op != "call_function" or node.target not in impls or skip(node):
             continue
-        val = node.meta["val"]
-        if (val[0] if isinstance(val, (list, tuple)) else val).device.type == "cuda" and INTERPRETED:
-            continue  # the interpreter's kernels cannot be traced: the op call stays
         args = schema_args(node)
         key = _signature(node, args)
         if key in traces:
-            _splice(graph, node, traces[key], _tensors(args), reused=True)
+            _splice(graph, node, traces[key], _tensors(args), reused=True, keep_meta=keep_meta)
             count += 1
             continue
-        traced = _trace(node, args)
+        traced = _trace(node, args, impls[node.target])
         if traced is None:  # left as an op call: slower to launch, as correct
-            log.debug("%s: a size symbol has no source in the graph; not lowered", node)
+            log.debug("%s: a size symbol has no source in the graph; not replaced", node)
             continue
         if key is not None and not traced[0].graph.find_nodes(op="get_attr"):
             traces[key] = traced[0]
-        _splice(graph, node, *traced)
+        _splice(graph, node, *traced, keep_meta=keep_meta)
         count += 1
+    return count
+
+
+def _interpreted(node: fx.Node) -> bool:
+    """A CUDA call where Triton's interpreter runs the kernels, which cannot be traced: it stays a call."""
+    val = node.meta["val"]
+    return (val[0] if isinstance(val, (list, tuple)) else val).device.type == "cuda" and INTERPRETED
+
+
+def lower(graph: fx.Graph) -> int:
+    """Replace every fusepass op call of ``graph`` by its implementation; returns how many."""
+    count = replace_calls(graph, IMPLS, skip=_interpreted)
     if count:  # (Inductor analyses each lowered launch: once per signature, not per site)
         memoize_kernel_analysis(KERNELS)
     return count

@@ -70,13 +70,21 @@ def _abs_of(node):
     return node.args[0] if is_call(node.args[0], aten.abs.default) else None
 
 
+def _is_nan(node) -> bool:
+    """A NaN made by ``full([], nan)`` (AOTAutograd's form) or ``scalar_tensor(nan)`` (a traced
+    ``torch.where(..., nan, ...)``, as ``passes/expand.py`` leaves it)."""
+    if is_call(node, aten.full.default):
+        return math.isnan(node.args[1])
+    return is_call(node, aten.scalar_tensor.default) and math.isnan(node.args[0])
+
+
 def _scale(s):
     """(abs(x), D, F, floor_first) where ``s`` is ``clamp_min(amax(abs(x)) / D, F)`` or
     (``floor_first``) ``clamp_min(amax(abs(x)), F) / D``, with D > 0 and F >= 0 (what the op
     takes), or either with an infinite value made NaN (``where(isinf(s), nan, s)``: a prepared
     int8 linear's, which the op's kernel computes too), else None."""
     if (is_call(s, aten.where.self) and is_call(s.args[0], aten.isinf.default) and s.args[0].args[0] is s.args[2]
-            and is_call(s.args[1], aten.full.default) and math.isnan(s.args[1].args[1])):
+            and _is_nan(s.args[1])):
         s = s.args[2]
     if is_call(s, aten.div.Tensor) and is_call(s.args[0], aten.clamp_min.default):
         div, clamp, floor_first = s, s.args[0], True

@@ -316,24 +316,31 @@ def _linear(act: Act, n: int = 256, k: int = 256, lo: int = 128, hi: int = 256):
 
 
 @pytest.mark.parametrize("act", [Act(kind) for kind in Act.KINDS] + [Act("fp8", ceiling=1.5)], ids=str)
-def test_the_traced_form_computes_the_eager_forward(act):
-    """``fusepass::w8a8_linear`` (what a compiler sees) against the forward on the ops, rows
-    [128, 256) of a joint weight with a bias: the same product, to fp32's rounding (an amax
-    ceiling below the rows' amax: FBGEMM's recipe, values clamped)."""
+def test_the_expanded_form_computes_the_eager_forward(act):
+    """The forms the pass expands ``fusepass::w8a8_linear`` into (``passes.expand.EXPANSIONS``)
+    against the forward on the ops, rows [128, 256) of a joint weight with a bias: the same
+    product, to fp32's rounding (an amax ceiling below the rows' amax: FBGEMM's recipe, values
+    clamped); and the node run as a call (another backend) is the forward itself."""
     from fusepass.integrations.linear import SOURCE
+    from fusepass.passes.expand import EXPANSIONS
 
     lin, x = _linear(act), torch.randn(2, 3, 256, generator=torch.Generator().manual_seed(1))
     j = lin.joint
-    traced = torch.ops.fusepass.w8a8_linear(x, j.weight, j.weight_scale, j.colsum, j.bias, j.input_scale, lin.lo,
-                                            lin.hi, act.kind, act.divisor, act.floor, act.ceiling, SOURCE)
-    assert traced.shape == (2, 3, 128)
-    torch.testing.assert_close(traced, lin(x), rtol=1e-4, atol=1e-4)
+    args = (x, j.weight, j.weight_scale, j.colsum, j.bias, j.input_scale, lin.lo, lin.hi, act.kind, act.divisor,
+            act.floor, act.ceiling, SOURCE)
+    op = torch.ops.fusepass.w8a8_linear.default
+    forms = EXPANSIONS[op](*args)
+    assert forms.shape == (2, 3, 128)
+    torch.testing.assert_close(forms, lin(x), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(op(*args), lin(x), rtol=0, atol=0)
+    torch.library.opcheck(op, args, test_utils="test_faketensor")
 
 
 def test_dynamo_traces_a_prepared_linear_as_one_node(bf16_model):
     """One ``fusepass.w8a8_linear`` node a converted linear, and none of its ops, for Dynamo
-    to trace (its compile time); AOTAutograd expands them. (On torch 2.11 this also checks
-    that export is told by its flag: there ``is_exporting()`` is True under torch.compile.)"""
+    to trace (its compile time); the pass expands them (tests/passes/test_expand.py). (On torch
+    2.11 this also checks that export is told by its flag: there ``is_exporting()`` is True under
+    torch.compile.)"""
     model, prep = _prepared(bf16_model, "int8")
     graphs = []
     fn = torch.compile(model, backend=lambda gm, ex: graphs.append(gm) or gm.forward, dynamic=False)

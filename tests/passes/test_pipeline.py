@@ -13,10 +13,10 @@ ALL_OFF = PassConfig(patterns=(), join_siblings=False, group_max_m=0, quantize_i
 
 def test_the_steps_in_order():
     assert [s.name for s in PIPELINE] == [
-        "patterns", "joined_siblings", "scaled_mm_group", "dead_code", "quantized_in_gemv",
+        "expanded", "patterns", "joined_siblings", "scaled_mm_group", "dead_code", "quantized_in_gemv",
         "quantized_groups_in_gemv", "shared_activation", "dead_code", "lint"]
     assert [s.name for s in PIPELINE if not s.tidy and s.enabled(PassConfig())] == [
-        "patterns", "joined_siblings", "scaled_mm_group", "quantized_in_gemv", "quantized_groups_in_gemv",
+        "expanded", "patterns", "joined_siblings", "scaled_mm_group", "quantized_in_gemv", "quantized_groups_in_gemv",
         "shared_activation"]  # (quantized_in_gemv: None, and no CUDA graphs here)
     assert [s.name for s in PIPELINE if not s.tidy and s.enabled(ALL_OFF)] == []
 
@@ -54,5 +54,5 @@ def test_what_a_step_changes_is_counted_and_tidied(monkeypatch):
 def test_the_cache_key_names_the_steps_in_force():
     assert FusePass(PassConfig()).uuid() != FusePass(PassConfig(share_activations=False)).uuid()
     assert FusePass(PassConfig()).uuid() == FusePass(PassConfig()).uuid()
-    assert PIPELINE[1].uuid(PassConfig()) == "joined_siblings:on"
-    assert PIPELINE[1].uuid(ALL_OFF) == "joined_siblings:off"
+    assert PIPELINE[2].uuid(PassConfig()) == "joined_siblings:on"
+    assert PIPELINE[2].uuid(ALL_OFF) == "joined_siblings:off"

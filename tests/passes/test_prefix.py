@@ -57,6 +57,28 @@ return [mul_1, amax]""")
         self.assertIn("(at test_prefix.py:", d.reason)
         self.assertIn("mul_1: f32[24, 40] = aten.mul.Tensor(scaled_mm_default, sb)", r.after)
 
+    def test_fused_in_part_says_what_fused_and_what_the_rest_costs(self):
+        def f(a, b, sa, sb, bias):
+            return (torch._int_mm(a, b).float() * sa + bias) * sb
+
+        report = fusepass.explain(f, a, w.t(), sa, sb.reshape(N), bs)
+        (d,) = report.decisions
+        self.assertEqual(d.kept, "the matmul with a per-token scale, the bias")
+        # the multiply by sb reads the f32[24, 40] output again: 24 * 40 * 4 bytes
+        self.assertEqual(d.cost, "the steps after it run outside the GEMM: at most one more kernel, reading its "
+                                 "f32[24, 40] output again (3.8 KiB a call)".replace("f32", "float32"))
+        self.assertIn(f"the matmul with a per-token scale, the bias; the epilogue ends early: {d.reason}\n"
+                      f"      cost: {d.cost}", str(report))
+
+    def test_fused_in_part_at_a_symbolic_m_costs_per_row(self):
+        def f(a, b, sa, sb, bias):
+            return (torch._int_mm(a, b).float() * sa + bias) * sb
+
+        report = fusepass.explain(f, i8(48, K), w.t(), scale(48, 1), sb.reshape(N), bs, dynamic=True)
+        (d,) = report.decisions
+        self.assertTrue(d.partial, report)
+        self.assertTrue(d.cost.endswith(f"output again ({N * 4} bytes a row)"), d.cost)
+
     def test_cast_of_a_shared_value_is_no_lost_step(self):
         """A shared value that is only cast or viewed elsewhere: fused whole."""
 
