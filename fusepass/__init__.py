@@ -13,10 +13,10 @@ plain-tensor ones, once.
 from ._compat import warn_untested
 from .backend import fusepass_backend, inductor_options
 from .explain import Report, explain
-from .integrations import Preparation, W8A8Linear, prepare
+from .integrations import Preparation, W8A8Experts, W8A8Linear, prepare, quantize_experts
 from .integrations.saved import register_when_imported
-from .ops import (int_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise, scaled_mm_blockwise_dynamic, scaled_mm_dynamic,
-                  scaled_mm_group)
+from .ops import (int_mm, scaled_grouped_mm, scaled_mm, scaled_mm_azp, scaled_mm_blockwise, scaled_mm_blockwise_dynamic,
+                  scaled_mm_dynamic, scaled_mm_group)
 from .passes import FusePass, PassConfig
 
 
@@ -34,11 +34,13 @@ __all__ = [
     "PassConfig",
     "Preparation",
     "Report",
+    "W8A8Experts",
     "W8A8Linear",
     "explain",
     "fusepass_backend",
     "inductor_options",
     "prepare",
+    "quantize_experts",
     "int_mm",
     "scaled_mm",
     "scaled_mm_azp",
@@ -46,4 +48,5 @@ __all__ = [
     "scaled_mm_blockwise_dynamic",
     "scaled_mm_dynamic",
     "scaled_mm_group",
+    "scaled_grouped_mm",
 ]

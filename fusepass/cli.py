@@ -42,6 +42,7 @@ def _check_cases(M: int, N: int, K: int, seed: int, fp8: bool) -> list:
         return ((qa.double() - z) * sa.double()) @ (qb.double() * sb.double()).t() + bias.double()
 
     (a, sa), (b, sb), (b2, sb2) = rows(x, torch.int8), rows(w, torch.int8), rows(w2, torch.int8)
+    experts = torch.arange(M) % 2
     lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
     s_az = (hi - lo) / 255
     azp = torch.round(-128 - lo / s_az).to(torch.int32)
@@ -59,6 +60,11 @@ def _check_cases(M: int, N: int, K: int, seed: int, fp8: bool) -> list:
          torch.cat([ref(a, sa, b, sb), ref(a, sa, b2, sb2)], 1)),
         ("scaled_mm_dynamic int8", lambda t: fusepass.scaled_mm_dynamic(t(xb), t(b.t()), t(sb.t()), bf16, t(bias)),
          ref(qd, sd, b, sb)),
+        # two experts, rows alternating between them (a router's top-1)
+        ("scaled_grouped_mm int8", lambda t: fusepass.scaled_grouped_mm(
+            t(a), t(torch.stack([b.t(), b2.t()])), t(sa), t(torch.stack([sb.flatten(), sb2.flatten()])), t(experts),
+            bf16, t(torch.stack([bias, bias]))),
+         torch.where(experts[:, None] == 0, ref(a, sa, b, sb), ref(a, sa, b2, sb2))),
     ]
     if fp8:
         (af, saf), (bf, sbf) = rows(x, e4m3), rows(w, e4m3)

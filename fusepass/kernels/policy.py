@@ -25,6 +25,12 @@ FP8_CUBLAS_ABOVE_M = 64
 
 # The grouped kernel's member arguments: at most this many siblings share one launch.
 MAX_MEMBERS = 4
+# A mixture of experts' grouped matmul (``kernels/grouped.py``): up to this many rows, a program a
+# row reading its expert's weight (decode: batch 1 with top-8 is 8 rows in 8 experts); above,
+# the rows sorted into blocks of one expert, each block's weight tile read once. A first choice,
+# not yet timed on a GPU: the decode kernel's reads of one expert by several rows grow with the
+# rows, the sorted blocks' padding with the experts.
+GROUPED_ROWS_MAX_M = 32
 
 
 @dataclass(frozen=True)

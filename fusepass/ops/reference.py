@@ -110,3 +110,23 @@ def accumulate_blockwise(a, b, scale_a, scale_b) -> torch.Tensor:
 
 def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None):
     return add_bias_and_round(accumulate_blockwise(a, b, scale_a, scale_b), out_dtype, bias)
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None):
+    """Each row's product with its expert's weight, in the accumulator dtype, then the epilogue
+    of its expert's scales and bias and its row weight in fp32, one rounding; a row whose expert
+    id is outside [0, E) is NaN. Every row's product with each expert in turn, kept where the row
+    is that expert's: exact sums, and no data-dependent shape (a compiled CPU graph traces this)."""
+    M, N, E = a.shape[0], b.shape[2], b.shape[0]
+    x = torch.full((M, N), float("nan"), dtype=torch.float32, device=a.device)
+    sa = scale_a.to(torch.float32).reshape(-1, 1)
+    sb = scale_b.to(torch.float32).reshape(E, -1)
+    ids = expert_ids.reshape(-1, 1)
+    for e in range(E):
+        y = accumulate(a, b[e]).to(torch.float32) * (sa * sb[e].reshape(1, -1))
+        if bias is not None:
+            y = y + bias[e].to(torch.float32)
+        x = torch.where(ids == e, y, x)
+    if row_weights is not None:
+        x = x * row_weights.to(torch.float32).reshape(-1, 1)
+    return x.to(out_dtype).contiguous()

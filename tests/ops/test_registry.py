@@ -26,6 +26,7 @@ def _args(op: str):
         "scaled_mm_blockwise_dynamic": (x, bf, torch.ones(K // 128, 1), BF16, None, 1e-12),
         "scaled_mm_dynamic": (x, b8, sb, BF16, None, 127.5, 1e-12, None, None),
         "scaled_mm_group": (a8, [b8, b8], sa, [sb, sb], BF16, [None, None]),
+        "scaled_grouped_mm": (a8, torch.stack([b8, b8]), sa, torch.ones(2, N), torch.tensor([0, 1, 1]), BF16, None, None),
     }[op]
 
 
@@ -38,8 +39,8 @@ OPS = sorted(str(op).removeprefix("fusepass.").removesuffix(".default") for op i
 
 
 def test_every_op_is_registered_one_way():
-    assert OPS == ["int_mm", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise", "scaled_mm_blockwise_dynamic",
-                   "scaled_mm_dynamic", "scaled_mm_group"]
+    assert OPS == ["int_mm", "scaled_grouped_mm", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise",
+                   "scaled_mm_blockwise_dynamic", "scaled_mm_dynamic", "scaled_mm_group"]
     for name in OPS:
         assert getattr(fusepass.ops, name).__doc__  # its Python wrapper, documented
 
@@ -50,7 +51,7 @@ def test_fake_runs_no_arithmetic(op, monkeypatch):
     the CPU reference) never runs. The default fake of a triton_op ran it, 6 ms a call."""
     def refuse(*args, **kwargs):
         raise AssertionError("the implementation ran under fake tensors")
-    for name in ("accumulate", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise"):
+    for name in ("accumulate", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise", "scaled_grouped_mm"):
         monkeypatch.setattr(reference, name, refuse)
     mode = FakeTensorMode()
     with mode:

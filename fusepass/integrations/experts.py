@@ -1,0 +1,137 @@
+"""``W8A8Experts``: a mixture of experts' weights in int8 or fp8, run on ``fusepass.scaled_grouped_mm``.
+
+transformers (5.x) holds a MoE layer's experts as 3-D weights, ``gate_up_proj`` [E, 2I, H] and
+``down_proj`` [E, H, I], in a module called as ``experts(hidden_states [T, H], top_k_index [T, k],
+top_k_weights [T, k])`` (Qwen3-MoE, Mixtral, OLMoE, ...). ``W8A8Experts`` takes that call: each
+token's row quantized per token (the module's ``Act``), its k routed rows through the gate/up
+weights of their experts (one grouped launch), ``act(gate) * up`` quantized per row, then the down
+weights with each row's routing weight in the epilogue (a second launch), and the k rows of a
+token added in fp32. The weights are the experts' own, quantized per output channel.
+
+``quantize_experts(model, "int8" | "fp8")`` is the one call that turns a float MoE model's experts
+into these (fusepass's own per-channel recipe; torchao has none for 3-D expert weights): what it
+cannot take it leaves, with the reason in its report.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..ops.grouped import scaled_grouped_mm
+from .linear import FP8_MAX, Act, act_index, ACTS, quantize_input
+
+KINDS = ("int8", "fp8")
+_QMAX = {"int8": 127.0, "fp8": FP8_MAX}
+_DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+def quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] float weights per output channel (row of each expert): (q [E, N, K], scale [E, N]
+    fp32), symmetric, ``scale = amax / 127`` (int8, rounded) or ``amax / 448`` (e4m3)."""
+    wf = w.detach().float()
+    scale = (wf.abs().amax(dim=-1) / _QMAX[kind]).clamp(min=torch.finfo(torch.float32).tiny)
+    v = wf / scale[..., None]
+    q = v.round().clamp(-127, 127).to(torch.int8) if kind == "int8" else v.clamp(-FP8_MAX, FP8_MAX).to(_DTYPE[kind])
+    return q, scale
+
+
+class W8A8Experts(nn.Module):
+    """The experts of one MoE layer in int8 / fp8 (module docstring). Buffers: ``gate_up`` [E, 2I, H],
+    ``gate_up_scale`` [E, 2I], ``down`` [E, H, I], ``down_scale`` [E, H] (fp32)."""
+
+    def __init__(self, gate_up, gate_up_scale, down, down_scale, act: Act, act_fn):
+        super().__init__()
+        self.register_buffer("gate_up", gate_up)
+        self.register_buffer("gate_up_scale", gate_up_scale)
+        self.register_buffer("down", down)
+        self.register_buffer("down_scale", down_scale)
+        self.act_index = act_index(act)
+        self.act_fn = act_fn
+        self.num_experts, self.hidden_dim, self.intermediate_dim = down.shape
+
+    @property
+    def act(self) -> Act:
+        return ACTS[self.act_index]
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        act, (T, k) = ACTS[self.act_index], top_k_index.shape
+        q, scale, _ = quantize_input(hidden_states, act)
+        rows = torch.arange(T, device=q.device).repeat_interleave(k)  # each token's k routed rows
+        ids = top_k_index.reshape(-1)
+        h = scaled_grouped_mm(q[rows], self.gate_up.transpose(1, 2), scale[rows], self.gate_up_scale, ids,
+                              hidden_states.dtype)
+        gate, up = h.chunk(2, dim=-1)
+        q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)
+        y = scaled_grouped_mm(q2, self.down.transpose(1, 2), scale2, self.down_scale, ids, torch.float32,
+                              row_weights=top_k_weights.reshape(-1))
+        return y.view(T, k, self.hidden_dim).sum(dim=1).to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
+                f"act={self.act.kind}")
+
+
+def _refusal(module: nn.Module) -> str | None:
+    """Why transformers' experts ``module`` cannot become a W8A8Experts, or None."""
+    flags = {"has_bias": False, "is_transposed": False, "has_gate": True, "has_post_expert_norm": False,
+             "is_concatenated": True}
+    for name, wanted in flags.items():
+        if getattr(module, name, wanted) != wanted:
+            return f"{name}={not wanted} experts are not supported (gated, concatenated [gate; up], no bias)"
+    gate = getattr(type(module), "_apply_gate", None)
+    if gate is not None and gate.__name__ != "_default_apply_gate":
+        return f"a custom gate ({type(module).__name__}._apply_gate) is not supported: act(gate) * up only"
+    if not all(isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() == 3
+               for n in ("gate_up_proj", "down_proj")):
+        return "no 3-D float gate_up_proj / down_proj weights"
+    if not getattr(module, "gate_up_proj").is_floating_point() or getattr(module, "gate_up_proj").element_size() == 1:
+        return f"weights of {module.gate_up_proj.dtype}: a float model's experts only (a quantized checkpoint: prepare)"
+    return None
+
+
+def _is_experts(module: nn.Module) -> bool:
+    """transformers' experts modules: 3-D ``gate_up_proj`` / ``down_proj`` and an ``act_fn``."""
+    return (hasattr(module, "act_fn") and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+            and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+            and getattr(module, "gate_up_proj").dim() == 3)
+
+
+@dataclass
+class ExpertsReport:
+    """What ``quantize_experts`` did: the converted modules' names, and those left with why."""
+
+    converted: list = field(default_factory=list)
+    left: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"fusepass.quantize_experts: {len(self.converted)} experts modules converted, "
+                 f"{len(self.left)} left as they are"]
+        lines += [f"  {name}: {why}" for name, why in self.left.items()]
+        return "\n".join(lines)
+
+
+def quantize_experts(model: nn.Module, kind: str = "int8") -> ExpertsReport:
+    """Replace, in place, every transformers experts module of ``model`` (float weights) by a
+    ``W8A8Experts``: weights per output channel, activations per token (``kind``: int8 or fp8
+    e4m3), run on ``fusepass.scaled_grouped_mm``. Returns the report of what was converted and
+    what was left, with why. The router, attention and dense linears are untouched (quantize
+    them as usual, then ``fusepass.prepare``)."""
+    if kind not in KINDS:
+        raise ValueError(f"fusepass.quantize_experts: kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    report = ExpertsReport()
+    for name, module in list(model.named_modules()):
+        if not _is_experts(module):
+            continue
+        why = _refusal(module)
+        if why is not None:
+            report.left[name] = why
+            continue
+        (gate_up, gs), (down, ds) = (quantize_weight(getattr(module, n), kind) for n in ("gate_up_proj", "down_proj"))
+        new = W8A8Experts(gate_up, gs, down, ds, Act(kind), module.act_fn)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, new)
+        report.converted.append(name)
+    return report

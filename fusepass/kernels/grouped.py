@@ -1,0 +1,124 @@
+"""The fused W8A8 GEMMs of a mixture of experts: each row of ``a`` times its expert's weight.
+
+    out[m, n] = (scale_a[m] * scale_b[e, n] * (a[m] @ b[e])[n] + bias[e, n]) * row_weight[m],
+    e = the row's expert
+
+Two kernels, chosen by ``grouped_launch.py``:
+
+- ``grouped_gemv_kernel`` (a few rows: decode): a program a row and ``BLOCK_N`` columns; it
+  reads the row's expert id and streams that expert's [K, BLOCK_N] slice of ``b``, so a step
+  reads only the routed experts' weights, with no routing work before the launch;
+- ``grouped_mm_kernel`` (many rows: prefill): the rows sorted by expert into blocks of
+  ``BLOCK_M`` rows of one expert each (``grouped_launch.route``: padded with the sentinel row M,
+  a block list of fixed length), a program a block and ``BLOCK_N`` columns; the rows are
+  gathered as they load and scattered as they store, so nothing is copied around the launch.
+
+int8 sums in int32 (exact), fp8 in fp32; the epilogue in fp32, one rounding. A row whose expert
+id is outside [0, E) is stored as NaN: its block's expert is E (``route``), or the gemv program
+sees it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .scaled_mm import mma
+
+
+@triton.jit
+def _epilogue(acc, rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
+              SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+              HAS_ROW_WEIGHTS: tl.constexpr):
+    """acc [R, C] of rows ``rows`` and columns ``cols`` (in range) of expert ``e``: fp32, scaled,
+    biased and weighted, before the one rounding."""
+    if SCALE_A_PER_ROW:
+        sa = tl.load(scale_a_ptr + rows).to(tl.float32)
+    else:
+        sa = tl.load(scale_a_ptr + rows * 0).to(tl.float32)
+    if SCALE_B_PER_CHANNEL:
+        sb = tl.load(scale_b_ptr + e * stride_sbe + cols, mask=cols < N, other=0.0).to(tl.float32)
+    else:
+        sb = tl.load(scale_b_ptr + e * stride_sbe + cols * 0).to(tl.float32)
+    x = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + e * stride_biase + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    if HAS_ROW_WEIGHTS:
+        x *= tl.load(w_ptr + rows).to(tl.float32)[:, None]
+    return x
+
+
+@triton.jit
+def grouped_gemv_kernel(
+    a_ptr, b_ptr, out_ptr,  # (M, K); (E, K, N) any strides; (M, N) contiguous
+    scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr,  # (M,) or (1,); (E, N) or (E,); (E, N) or None; (M,) or None
+    ids_ptr,  # (M,) the rows' experts
+    M, N, K, E,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_sbe, stride_biase,
+    SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_ROW_WEIGHTS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e = tl.load(ids_ptr + m).to(tl.int64)
+    valid = (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    if a_ptr.dtype.element_ty == tl.int8:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    b_cols = b_ptr + e * stride_be + cols[None, :] * stride_bn
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(a_ptr + m * stride_am + ks * stride_ak, mask=ks < K, other=0.0)
+        w = tl.load(b_cols + ks[:, None] * stride_bk, mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+        if a_ptr.dtype.element_ty == tl.int8:
+            acc += tl.sum(x.to(tl.int32)[:, None] * w.to(tl.int32), axis=0)
+        else:
+            acc += tl.sum(x.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)
+    rows = m + tl.zeros((1,), dtype=tl.int64)
+    y = _epilogue(acc[None, :], rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
+                  SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS)
+    y = tl.where(valid, y, float("nan"))
+    tl.store(out_ptr + m * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
+
+
+@triton.jit
+def grouped_mm_kernel(
+    a_ptr, b_ptr, out_ptr,  # as grouped_gemv_kernel's
+    scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr,
+    rows_ptr,  # (BLOCKS * BLOCK_M,) the rows, sorted by expert, each expert's padded with M
+    block_experts_ptr,  # (BLOCKS,) each block's expert: < E, E (rows with no valid expert: NaN), > E (none)
+    M, N, K, E,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_sbe, stride_biase,
+    SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_ROW_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_b = tl.program_id(0).to(tl.int64)
+    e = tl.load(block_experts_ptr + pid_b).to(tl.int64)
+    if e <= E:
+        rows = tl.load(rows_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        live = rows < M
+        rows = tl.where(live, rows, 0)  # (padding reads row 0; its store is masked off)
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        out_mask = live[:, None] & (cols[None, :] < N)
+        if e == E:
+            nan = tl.full((BLOCK_M, BLOCK_N), float("nan"), tl.float32)
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], nan.to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            if a_ptr.dtype.element_ty == tl.int8:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            a_rows = a_ptr + rows[:, None] * stride_am
+            b_cols = b_ptr + e * stride_be + cols[None, :] * stride_bn
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                x = tl.load(a_rows + ks[None, :] * stride_ak, mask=ks[None, :] < K, other=0.0)
+                w = tl.load(b_cols + ks[:, None] * stride_bk, mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
+                acc = mma(x, w, acc, BLOCK_K)
+            y = _epilogue(acc, rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
+                          SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS)
+            tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)

@@ -1,0 +1,77 @@
+"""Launch of the mixture-of-experts kernels (``grouped.py``): the kernel by the number of rows
+(``policy.GROUPED_ROWS_MAX_M``), the rows' order for the block kernel (``route``), the tiles.
+
+Everything here has a shape fixed by M, E and the tile (no host sync, no data-dependent size):
+a step captures in a CUDA graph and traces under ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+
+from .grouped import grouped_gemv_kernel, grouped_mm_kernel
+from .launch import INTERPRETED, on_device, traced
+from .policy import GROUPED_ROWS_MAX_M
+
+BLOCK_N, BLOCK_K = 64, 64  # (a first choice, not yet tuned)
+
+
+def block_m(M: int) -> int:
+    """Rows a block of the sorted kernel: fewer where the rows are few (less padding an expert)."""
+    return 16 if M <= 256 else 64
+
+
+def route(expert_ids: torch.Tensor, E: int, rows_a_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, block_experts): the row indices sorted by expert (stable), each expert's run padded
+    to whole blocks of ``rows_a_block`` with the sentinel M, in a list of fixed length (M plus
+    a block's padding an expert, rounded to blocks); and each block's expert: that expert, E for
+    the rows whose id is outside [0, E) (stored as NaN), E + 1 for the unused blocks at the end."""
+    M, device = expert_ids.shape[0], expert_ids.device
+    ids = expert_ids.to(torch.int64)
+    key = torch.where((ids >= 0) & (ids < E), ids, E)  # groups 0..E: E collects invalid ids
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts + rows_a_block - 1) // rows_a_block * rows_a_block
+    pad_end = torch.cumsum(padded, 0)
+    order = torch.argsort(key, stable=True)
+    group = key[order]
+    rank = torch.arange(M, device=device) - (torch.cumsum(counts, 0) - counts)[group]
+    blocks = (M + (E + 1) * (rows_a_block - 1) + rows_a_block - 1) // rows_a_block
+    rows = torch.full((blocks * rows_a_block,), M, dtype=torch.int64, device=device)
+    rows = rows.scatter(0, (pad_end - padded)[group] + rank, order)
+    starts = torch.arange(blocks, device=device) * rows_a_block
+    block_experts = torch.searchsorted(pad_end, starts, right=True)
+    return rows, block_experts
+
+
+def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None):
+    """The op's CUDA path (and, under Triton's interpreter, CPU tensors): inputs validated by
+    ``ops.grouped.check_grouped_args``. Returns the new contiguous (M, N) output."""
+    M, K = a.shape
+    E, N = b.shape[0], b.shape[2]
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    fake = traced(a)
+    if statically_known_true(M == 0) or statically_known_true(N == 0) or (INTERPRETED and fake):
+        return out
+    sb = scale_b.reshape(E, -1)
+    sa, w = scale_a.reshape(-1), None if row_weights is None else row_weights.reshape(-1)
+    args = (a, b, out, sa, sb, bias, w)
+    sizes = (M, N, K, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), sb.stride(0),
+             0 if bias is None else bias.stride(0))
+    flags = dict(SCALE_A_PER_ROW=sa.numel() != 1 or M == 1, SCALE_B_PER_CHANNEL=sb.shape[1] != 1 or N == 1,
+                 HAS_BIAS=bias is not None, HAS_ROW_WEIGHTS=w is not None)
+
+    def launch():
+        if statically_known_true(M <= GROUPED_ROWS_MAX_M):
+            grouped_gemv_kernel[(M, triton.cdiv(N, BLOCK_N))](*args, expert_ids, *sizes, **flags,
+                                                             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        else:
+            rows_a_block = block_m(M) if is_concrete_int(M) else 64
+            rows, block_experts = route(expert_ids, E, rows_a_block)
+            grid = (block_experts.shape[0], triton.cdiv(N, BLOCK_N))
+            grouped_mm_kernel[grid](*args, rows, block_experts, *sizes, **flags,
+                                    BLOCK_M=rows_a_block, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        return out
+
+    return on_device(a, fake, launch)

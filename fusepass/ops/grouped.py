@@ -1,0 +1,126 @@
+"""The op ``fusepass::scaled_grouped_mm``: a mixture of experts' quantized matmul, each row of
+the activation multiplied by the weight of the expert it is routed to::
+
+    e = expert_ids[m]
+    out[m, :] = (scale_a[m] * scale_b[e, :] * (a[m, :] @ b[e]) + bias[e, :]) * row_weights[m]
+
+int8 sums exact in int32, fp8 ones in fp32; the epilogue in fp32, rounded once to ``out_dtype``.
+A row whose expert id is outside [0, E) is NaN (the op cannot raise there without reading the
+ids back to the host, which a CUDA graph forbids; a NaN row is never silently a number).
+
+Arguments:
+
+- ``a``: [M, K] int8 or float8_e4m3fn, the quantized rows in any order (a top-k router's
+  token-expert pairs: M = tokens * k; M may be 0);
+- ``b``: [E, K, N] of ``a``'s dtype, any strides (usually ``w.transpose(1, 2)`` of the experts'
+  stored [E, N, K] weights);
+- ``scale_a``: fp32 (or bf16 / fp16, widened exactly), one value or one per row ([M] / [M, 1]);
+- ``scale_b``: fp32 (or bf16 / fp16), per expert and channel [E, N], or one per expert [E] / [E, 1];
+- ``expert_ids``: [M] int32 or int64, each row's expert;
+- ``out_dtype``: bfloat16, float16 or float32;
+- ``bias``: None or [E, N] of an output dtype;
+- ``row_weights``: None or [M] (or [M, 1]) of a float dtype: each row's factor in the epilogue,
+  a router's weight, so that the down projection's output is already weighted.
+
+Why ids per row rather than ``torch._grouped_mm``'s offsets: at decode (batch 1, top-8: 8 rows
+in 8 experts) rows need no sorting, histogram or gather before the launch, and each program
+reads only its row's expert's weight; the launch sorts them itself where rows are many enough
+to share weight tiles (``kernels/grouped_launch.py``), without a host sync.
+
+On CUDA: the Triton kernels of ``fusepass.kernels.grouped``; on CPU: the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..kernels.grouped_launch import launch_scaled_grouped_mm
+from . import reference
+from .checks import (
+    BIAS_DTYPES, INPUT_DTYPES, MAX_K_INT8, SCALE_DTYPES, check_devices, check_gpu, check_k, check_out_dtype,
+    check_tensor, describe, is_vector_of,
+)
+from .registry import call, define
+
+Tensor = torch.Tensor
+OP = "fusepass.scaled_grouped_mm"
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights) -> None:
+    """Validate the arguments (module docstring); errors name the argument."""
+    check_tensor(OP, "a", a, INPUT_DTYPES)
+    check_tensor(OP, "b", b, INPUT_DTYPES)
+    if b.dtype != a.dtype:
+        raise TypeError(f"{OP}: `b` must have the dtype of `a` ({a.dtype}); got {describe(b)}")
+    if a.dim() != 2:
+        raise ValueError(f"{OP}: `a` must be 2-D [M, K]; got {describe(a)}")
+    if b.dim() != 3:
+        raise ValueError(f"{OP}: `b` must be 3-D [E, K, N] (one [K, N] weight an expert); got {describe(b)}")
+    M, K = a.shape
+    E, N = b.shape[0], b.shape[2]
+    if b.shape[1] != K:
+        raise ValueError(f"{OP}: `b` must be [E, K, N] with K = {K} (from `a` {tuple(a.shape)}); "
+                         f"got b of shape {tuple(b.shape)}")
+    check_out_dtype(OP, out_dtype)
+    check_tensor(OP, "scale_a", scale_a, SCALE_DTYPES)
+    if not ((scale_a.numel() == 1 and scale_a.dim() <= 2) or is_vector_of(scale_a, M, 0)):
+        raise ValueError(f"{OP}: `scale_a` must hold one value or one per row of `a` (M = {M}): numel 1, "
+                         f"or shape [{M}] or [{M}, 1]; got {describe(scale_a)}")
+    check_tensor(OP, "scale_b", scale_b, SCALE_DTYPES)
+    if tuple(scale_b.shape) not in ((E, N), (E,), (E, 1)):
+        raise ValueError(f"{OP}: `scale_b` must be per expert and channel [E, N] = [{E}, {N}], or one per "
+                         f"expert [{E}] or [{E}, 1]; got {describe(scale_b)}")
+    check_tensor(OP, "expert_ids", expert_ids, ID_DTYPES)
+    if tuple(expert_ids.shape) != (M,):
+        raise ValueError(f"{OP}: `expert_ids` must be [M] with M = {M} (one expert a row of `a`); "
+                         f"got {describe(expert_ids)}")
+    tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "expert_ids": expert_ids}
+    if bias is not None:
+        check_tensor(OP, "bias", bias, BIAS_DTYPES)
+        if tuple(bias.shape) != (E, N):
+            raise ValueError(f"{OP}: `bias` must be [E, N] = [{E}, {N}] (one an expert); got {describe(bias)}")
+        tensors["bias"] = bias
+    if row_weights is not None:
+        check_tensor(OP, "row_weights", row_weights, SCALE_DTYPES)
+        if not is_vector_of(row_weights, M, 0):
+            raise ValueError(f"{OP}: `row_weights` must be [M] or [M, 1] with M = {M}; got {describe(row_weights)}")
+        tensors["row_weights"] = row_weights
+    check_devices(OP, tensors)
+    if a.dtype == torch.int8:
+        check_k(OP, K, MAX_K_INT8)
+    check_gpu(OP, a.device, a.dtype)
+
+
+def scaled_grouped_mm_impl(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    expert_ids: Tensor,
+    out_dtype: torch.dtype,
+    bias: Optional[Tensor] = None,
+    row_weights: Optional[Tensor] = None,
+) -> Tensor:
+    check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+    if a.device.type == "cuda":
+        return launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+    return reference.scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+
+
+def scaled_grouped_mm_fake(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None):
+    check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+
+
+define("scaled_grouped_mm", scaled_grouped_mm_impl, scaled_grouped_mm_fake)
+
+
+def scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None) -> Tensor:
+    """Each row ``a[m]`` times its expert's weight ``b[expert_ids[m]]``, scaled, biased and
+    weighted in one fused kernel (module docstring). Returns a new contiguous [M, N] tensor of
+    ``out_dtype``. Same as ``torch.ops.fusepass.scaled_grouped_mm``."""
+    return call("scaled_grouped_mm", scaled_grouped_mm_impl,
+                (a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights), out_dtype, replay=False)

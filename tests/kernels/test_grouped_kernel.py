@@ -1,0 +1,60 @@
+"""The mixture-of-experts kernels (``kernels/grouped.py``; Triton's interpreter on CPU, the GPU
+where there is one): the row kernel (M <= GROUPED_ROWS_MAX_M) and the sorted-block kernel (above)
+against the op's reference: int8 bit for bit (exact sums, the same epilogue order), fp8 within
+the oracle's bound; rows with no valid expert NaN; the routing's block layout."""
+
+import pytest
+import torch
+
+from fusepass.kernels.grouped_launch import launch_scaled_grouped_mm, route
+from fusepass.kernels.policy import GROUPED_ROWS_MAX_M
+from fusepass.ops import reference
+from tests.ops.test_grouped import assert_matches_oracle
+from tests.support.grouped_data import make_grouped
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton's interpreter converts fp32 to bf16 without rounding to nearest (up to an ulp off, as
+# for every kernel it runs); the GPU rounds.
+HALF_ULPS = 1 if DEVICE == "cuda" else 2
+
+# (tokens, top_k, E, N, K): decode-like rows (the row kernel: M <= GROUPED_ROWS_MAX_M), then
+# prefill-like (the blocks), ragged N and K, experts with no rows.
+SHAPES = [(1, 8, 16, 72, 96), (4, 2, 8, 64, 128), (3, 1, 64, 40, 200), (12, 4, 8, 80, 64), (20, 2, 32, 48, 130)]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("tokens,top_k,E,N,K", SHAPES)
+def test_the_kernels_against_the_reference(dtype, tokens, top_k, E, N, K):
+    p = make_grouped(tokens, top_k, E, N, K, dtype, device=DEVICE, seed=tokens * E)
+    p.expert_ids[-1] = E  # (a row with no valid expert: NaN)
+    out = launch_scaled_grouped_mm(*p.args())
+    assert out[-1].isnan().all()
+    assert_matches_oracle(out, p, torch.bfloat16, HALF_ULPS)
+    if dtype == torch.int8:  # (in fp32: the interpreter's bf16 rounding is not torch's)
+        exact = launch_scaled_grouped_mm(*p.args(torch.float32))
+        ref = reference.scaled_grouped_mm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in p.args(torch.float32)])
+        torch.testing.assert_close(exact.cpu(), ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("M", [GROUPED_ROWS_MAX_M, GROUPED_ROWS_MAX_M + 1])
+@pytest.mark.parametrize("variant", [dict(bias=False, row_weights=False), dict(scale_a_shape=(), scale_b_shape=(8,))],
+                         ids=str)
+def test_both_kernels_take_every_variant(M, variant):
+    p = make_grouped(M, 1, 8, 40, 72, device=DEVICE, seed=M, **variant)
+    out = launch_scaled_grouped_mm(*p.args(torch.float32))
+    ref = reference.scaled_grouped_mm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in p.args(torch.float32)])
+    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0)
+
+
+def test_route_sorts_rows_into_blocks_of_one_expert():
+    ids = torch.tensor([2, 0, 2, 1, 5, 2, 2])
+    rows, experts = route(ids, 3, 2)
+    M = ids.numel()
+    assert rows.numel() == experts.numel() * 2 and rows.numel() >= M + 4 * (2 - 1)
+    assert rows.tolist()[:10] == [1, M, 3, M, 0, 2, 5, 6, 4, M]
+    assert experts.tolist()[:5] == [0, 1, 2, 2, 3] and all(e == 4 for e in experts.tolist()[5:])
+    # every row once, each in a block of its own expert (3: no valid expert)
+    placed = rows[rows < M]
+    assert sorted(placed.tolist()) == list(range(M))
+    block_of = {r: experts[i // 2].item() for i, r in enumerate(rows.tolist()) if r < M}
+    assert all(block_of[r] == (ids[r].item() if ids[r] < 3 else 3) for r in range(M))

@@ -1,0 +1,113 @@
+"""``fusepass.scaled_grouped_mm``: a mixture of experts' W8A8 matmul (each row times its
+expert's weight), against a float64 oracle at every M (tokens x top-k, experts with no rows
+among them), E in {8, 64, 128}, top-k in {1, 2, 8}; the fake, opcheck, a trace with no
+data-dependent shape, and an error naming the argument for every bad input. On CPU this runs
+the reference; the kernels: tests/kernels/test_grouped_kernel.py (and on a GPU, here too)."""
+
+import pytest
+import torch
+
+import fusepass
+from tests.support.grouped_data import make_grouped, oracle
+from tests.support.helpers import FP8_MMA_REL, HALF_ULP
+
+OP = torch.ops.fusepass.scaled_grouped_mm.default
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assert_matches_oracle(out, p, out_dtype, half_ulps=1):
+    """Within ``half_ulps`` half-ulps of ``out_dtype`` (one rounding) and fp32's sums of the oracle."""
+    value, mag = oracle(p)
+    rel = 2.0**-20 if p.a.dtype == torch.int8 else FP8_MMA_REL  # (fp32 sums of fp8 products: their order)
+    out = out.cpu().double()
+    nan = value.isnan()
+    assert out[nan].isnan().all(), "a row with no valid expert must be NaN"
+    err = (out - value)[~nan].abs()
+    bound = (half_ulps * HALF_ULP[out_dtype] * value.abs() + rel * mag + 1e-30)[~nan]
+    assert (err <= bound).all(), f"max error / bound {(err / bound).max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("E", [8, 64, 128])
+@pytest.mark.parametrize("top_k", [1, 2, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 9])
+def test_matches_the_float64_oracle(dtype, E, top_k, tokens):
+    p = make_grouped(tokens, top_k, E, 48, 160, dtype, device=DEVICE, seed=E + top_k + tokens)
+    hit = p.expert_ids.unique().numel()
+    assert hit < E or tokens * top_k >= E  # (experts with no rows: E = 64, 128 at every size here)
+    assert_matches_oracle(fusepass.scaled_grouped_mm(*p.args()), p, torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(bias=False, row_weights=False), dict(scale_a_shape=()), dict(scale_a_shape=(1,)), dict(scale_b_shape=(4,)),
+    dict(scale_b_shape=(4, 1)), dict(ids_dtype=torch.int32)], ids=str)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_every_epilogue_variant(variant, out_dtype):
+    p = make_grouped(5, 2, 4, 40, 72, device=DEVICE, seed=3, **variant)
+    out = fusepass.scaled_grouped_mm(*p.args(out_dtype))
+    assert out.dtype == out_dtype and out.shape == (10, 40) and out.is_contiguous()
+    assert_matches_oracle(out, p, out_dtype)
+
+
+def test_a_row_with_an_expert_outside_the_range_is_nan():
+    p = make_grouped(4, 2, 8, 32, 64, device=DEVICE, seed=1)
+    p.expert_ids[3], p.expert_ids[5] = 8, -1
+    out = fusepass.scaled_grouped_mm(*p.args())
+    assert out[3].isnan().all() and out[5].isnan().all() and not out[[0, 1, 2, 4, 6, 7]].isnan().any()
+    assert_matches_oracle(out, p, torch.bfloat16)
+
+
+def test_no_rows_and_no_columns():
+    p = make_grouped(0, 8, 8, 32, 64, device=DEVICE)
+    assert fusepass.scaled_grouped_mm(*p.args()).shape == (0, 32)
+
+
+def test_the_weights_in_any_stride_order():
+    p = make_grouped(6, 2, 4, 48, 96, device=DEVICE, seed=2)
+    want = fusepass.scaled_grouped_mm(*p.args())
+    p.b = p.b.contiguous()  # [E, K, N] row-major instead of the stored [E, N, K]'s transpose
+    torch.testing.assert_close(fusepass.scaled_grouped_mm(*p.args()), want, rtol=0, atol=0)
+
+
+def test_fake_and_opcheck():
+    p = make_grouped(3, 2, 4, 32, 64, seed=4)
+    torch.library.opcheck(OP, p.args(), test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                                     "test_aot_dispatch_dynamic"))
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = OP(*[mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in p.args()])
+    assert fake.shape == (6, 32) and fake.dtype == torch.bfloat16
+
+
+def test_traces_with_no_data_dependent_shape():
+    """Under torch.compile, fullgraph: one op node, no graph break (a CUDA-graph step needs the same)."""
+    p = make_grouped(3, 2, 4, 32, 64, seed=5)
+    fn = torch.compile(lambda *args: fusepass.scaled_grouped_mm(*args), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(fn(*p.args()), fusepass.scaled_grouped_mm(*p.args()), rtol=0, atol=0)
+
+
+def _bad(**change):
+    p = make_grouped(3, 2, 4, 32, 64, seed=6)
+    args = dict(zip(("a", "b", "scale_a", "scale_b", "expert_ids", "out_dtype", "bias", "row_weights"), p.args()))
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(a=torch.zeros(6, 64)), TypeError, "`a` must have dtype int8, float8_e4m3fn"),
+    (dict(b=torch.zeros(4, 64, 32, dtype=torch.float8_e4m3fn)), TypeError, "`b` must have the dtype of `a`"),
+    (dict(b=torch.zeros(64, 32, dtype=torch.int8)), ValueError, "`b` must be 3-D [E, K, N]"),
+    (dict(b=torch.zeros(4, 63, 32, dtype=torch.int8)), ValueError, "`b` must be [E, K, N] with K = 64"),
+    (dict(scale_a=torch.ones(5)), ValueError, "`scale_a` must hold one value or one per row of `a` (M = 6)"),
+    (dict(scale_b=torch.ones(4, 31)), ValueError, "`scale_b` must be per expert and channel [E, N] = [4, 32]"),
+    (dict(scale_b=torch.ones(4, 32, dtype=torch.int32)), TypeError, "`scale_b` must have dtype float32"),
+    (dict(expert_ids=torch.zeros(6)), TypeError, "`expert_ids` must have dtype int32, int64"),
+    (dict(expert_ids=torch.zeros(5, dtype=torch.int64)), ValueError, "`expert_ids` must be [M] with M = 6"),
+    (dict(bias=torch.zeros(32)), ValueError, "`bias` must be [E, N] = [4, 32]"),
+    (dict(row_weights=torch.ones(7)), ValueError, "`row_weights` must be [M] or [M, 1] with M = 6"),
+    (dict(out_dtype=torch.int8), TypeError, "`out_dtype` must be one of bfloat16, float16, float32"),
+    (dict(a=torch.zeros(6, 200000, dtype=torch.int8), b=torch.zeros(4, 200000, 32, dtype=torch.int8)), ValueError,
+     "K = 200000 is too large for exact int32 accumulation"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_input_names_the_argument(change, error, message):
+    with pytest.raises(error, match="^fusepass.scaled_grouped_mm: " + __import__("re").escape(message)):
+        fusepass.scaled_grouped_mm(**_bad(**change))

@@ -1,0 +1,72 @@
+"""Mixture-of-experts problems for ``fusepass.scaled_grouped_mm``: a top-k router's rows (each
+token's k distinct experts; with many experts some get no row), the experts' weights stored
+[E, N, K] as transformers holds them (``b`` their [E, K, N] transpose), and a float64 oracle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tests.support.helpers import random_q, scale
+
+
+@dataclass
+class Grouped:
+    a: torch.Tensor
+    b: torch.Tensor
+    scale_a: torch.Tensor
+    scale_b: torch.Tensor
+    expert_ids: torch.Tensor
+    bias: torch.Tensor | None = None
+    row_weights: torch.Tensor | None = None
+
+    def args(self, out_dtype=torch.bfloat16) -> tuple:
+        return (self.a, self.b, self.scale_a, self.scale_b, self.expert_ids, out_dtype, self.bias, self.row_weights)
+
+
+def routed(tokens: int, top_k: int, E: int, generator) -> torch.Tensor:
+    """[tokens * top_k] expert ids: each token's top_k distinct experts, as a router picks them."""
+    return torch.stack([torch.randperm(E, generator=generator)[:top_k] for _ in range(tokens)]).reshape(-1) \
+        if tokens else torch.zeros(0, dtype=torch.int64)
+
+
+def make_grouped(tokens, top_k, E, N, K, dtype=torch.int8, *, device="cpu", seed=0, bias=True, row_weights=True,
+                 scale_a_shape=None, scale_b_shape=None, ids_dtype=torch.int64) -> Grouped:
+    g = torch.Generator().manual_seed(seed)
+    M = tokens * top_k
+    a = random_q((M, K), dtype, device, g)
+    w = random_q((E, N, K), dtype, device, g)  # stored [E, N, K]
+    p = Grouped(a, w.transpose(1, 2), scale((M,) if scale_a_shape is None else scale_a_shape, device, g),
+                scale((E, N) if scale_b_shape is None else scale_b_shape, device, g),
+                routed(tokens, top_k, E, g).to(ids_dtype).to(device))
+    if bias:
+        p.bias = torch.randn(E, N, generator=g).to(device)
+    if row_weights:
+        p.row_weights = torch.rand(M, generator=g).to(device)
+    return p
+
+
+def oracle(p: Grouped) -> tuple[torch.Tensor, torch.Tensor]:
+    """(value, magnitude) in float64: every row's exact product with its expert's weight (int8 and
+    e4m3 products and their sums are exact in float64 here), scaled, biased, weighted; the
+    magnitude bounds the terms summed, for an fp32 rounding allowance. NaN rows where the id is
+    outside [0, E)."""
+    M, E, N = p.a.shape[0], p.b.shape[0], p.b.shape[2]
+    ids = p.expert_ids.long().cpu()
+    valid = (ids >= 0) & (ids < E)
+    e = ids.clamp(0, E - 1)
+    a, b = p.a.cpu().double(), p.b.cpu().double()[e]  # [M, K, N]
+    sa = p.scale_a.cpu().double().reshape(-1, 1).expand(M, 1)
+    sb = p.scale_b.cpu().double().reshape(E, -1).expand(E, N)[e]
+    acc = torch.einsum("mk,mkn->mn", a, b)
+    mag = torch.einsum("mk,mkn->mn", a.abs(), b.abs()) * sa * sb
+    value = acc * sa * sb
+    if p.bias is not None:
+        bias = p.bias.cpu().double()[e]
+        value, mag = value + bias, mag + bias.abs()
+    if p.row_weights is not None:
+        w = p.row_weights.cpu().double().reshape(-1, 1)
+        value, mag = value * w, mag * w.abs()
+    value[~valid] = float("nan")
+    return value, mag
