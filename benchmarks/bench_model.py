@@ -7,7 +7,10 @@
 The model is the demo's random transformers ``LlamaForCausalLM`` (``fusepass/demo/models.py``)
 at Llama-3-8B's size (32 layers, hidden 4096, intermediate 14336, 32/8 heads, vocab 128256),
 or with ``--shape qwen3-8b`` a ``Qwen3ForCausalLM`` at Qwen3-8B's (36 layers, intermediate
-12288, vocab 151936, q/k norms), ``--layers`` deep, lm_head in bf16. Variants (``VARIANTS``): bf16 under stock
+12288, vocab 151936, q/k norms), or a mixture of experts at Qwen3-30B-A3B's (``qwen3-30b-a3b``:
+48 layers, 128 experts, top-8, expert width 768) or OLMoE-1B-7B's (``olmoe-1b-7b``), its bf16
+experts run by transformers' ``--experts-impl`` and its W8A8 ones (``moe-int8``, ``moe-fp8``) by
+``fusepass.quantize_experts``; ``--layers`` deep, lm_head in bf16. Variants (``VARIANTS``): bf16 under stock
 ``torch.compile``; torchao's W8A8 under stock ``torch.compile``; torchao's W8A8 through
 ``fusepass.prepare`` and ``backend="fusepass"``; the same without ``prepare``; the
 hand-written form (``demo/handwritten.py``) under fusepass; a compressed-tensors checkpoint
@@ -70,7 +73,10 @@ from model_results import append, load, plot, report  # noqa: E402  (the results
 FUSED_GEMMS = tuple(k.fn.__name__ for k in KERNELS)
 
 FULL = models.Sizes(32, 4096, 14336, 32, 8, 128256)  # Llama-3-8B
-SHAPES = {"llama3-8b": FULL, "qwen3-8b": models.Sizes(36, 4096, 12288, 32, 8, 151936, "qwen3")}
+SHAPES = {"llama3-8b": FULL, "qwen3-8b": models.Sizes(36, 4096, 12288, 32, 8, 151936, "qwen3"),
+          # mixtures of experts: layers, hidden, (dense width, unused), heads, kv heads, vocab, experts, top-k, width
+          "qwen3-30b-a3b": models.Sizes(48, 2048, 6144, 32, 4, 151936, "qwen3_moe", 128, 8, 768),
+          "olmoe-1b-7b": models.Sizes(16, 2048, 1024, 16, 16, 50304, "olmoe", 64, 8, 1024)}
 # name: (quantization, quantizer, backend, prepare)
 VARIANTS = {
     "bf16": (None, None, "inductor", False),
@@ -92,6 +98,10 @@ VARIANTS = {
     # FP8 as FbgemmFp8Linear), through prepare + fusepass: transformers runs neither offline
     "native-fp8-block-fusepass": ("fp8-block", "transformers", "fusepass", True),
     "fbgemm-fp8-fusepass": ("fp8", "fbgemm", "fusepass", True),
+    # a mixture of experts (--shape qwen3-30b-a3b, olmoe-1b-7b): its experts by quantize_experts
+    # (fusepass.scaled_grouped_mm), attention's linears by torchao, through prepare + fusepass
+    "moe-int8": ("int8", "experts", "fusepass", True),
+    "moe-fp8": ("fp8", "experts", "fusepass", True),
     # the FP8_DYNAMIC checkpoint written to disk and loaded by transformers with
     # use_optimized_inference=True (row-wise F.scaled_mm on GPUs with fp8; elsewhere transformers
     # falls back to ct-fp8's route); in a process of its own (ALONE)
@@ -287,9 +297,14 @@ def fused_gemm_ms(kernels: list[tuple[str, float, float]], calls: int) -> float:
 
 
 def linear_weights(config) -> int:
-    """Elements of a Llama's decoder linear weights (q, k, v, o, gate, up, down; lm_head apart)."""
+    """Elements of a Llama's decoder linear weights (q, k, v, o, gate, up, down; lm_head apart);
+    of a mixture of experts', those a batch-1 decode step reads: attention's and the top-k routed
+    experts' of each layer (a token's k experts are distinct)."""
     h, d = config.hidden_size, models.head_dim(config)
     per_layer = 2 * h * config.num_attention_heads * d + 2 * h * config.num_key_value_heads * d
+    if getattr(config, "num_experts_per_tok", None):
+        width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+        return config.num_hidden_layers * (per_layer + config.num_experts_per_tok * 3 * h * width)
     return config.num_hidden_layers * (per_layer + 3 * h * config.intermediate_size)
 
 
@@ -422,7 +437,8 @@ def cells(built: dict, mode: str, step: str, ids, cache_len: int, calls: int, pr
                        gap_ms=round(row["step_ms"] - kernel_ms, 3))
             if gemm_ms > 0:
                 row["gemm_ms"] = round(gemm_ms, 3)
-                if step != "prefill":  # (decode reads each weight once a step; quantized: a byte each)
+                moe_batch = getattr(built[row["variant"]].config, "num_experts_per_tok", None) and step != "b1"
+                if step != "prefill" and not moe_batch:  # (decode reads each weight once a step; quantized: a byte each)
                     row["gemm_TBps"] = round(linear_weights(built[row["variant"]].config) / gemm_ms / 1e9, 3)
     return [row for row, _ in started]
 
@@ -463,31 +479,34 @@ def check_flags(variants: list[str], guard_filter: str | None, modes: list[str])
 
 def run(layers: list[int], variants: list[str], modes: list[str], steps: list[str], *, prefill: int,
         cache_len: int, calls: int, out: str | None, sizes: models.Sizes = FULL, profile_dir: str | None = None,
-        steps_dir: str | None = None, guard_filter: str | None = None, log=print) -> list[dict]:
+        steps_dir: str | None = None, guard_filter: str | None = None, experts_impl: str = "grouped_mm",
+        log=print) -> list[dict]:
     """Time every (depth, variant, mode, step) cell; ``sizes``: the model's but for its depth.
     On a CPU (tests: a small ``sizes``) cells have wall times only. ``profile_dir``: each
     cell's first call (the compile) profiled there, ``<layers>-<variant>-<mode>-<step>.prof``;
     ``steps_dir``: its steps, ``<cell>-host.txt`` (cProfile) and ``<cell>-kernels.txt`` (GPU
-    kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row)."""
+    kernels by name). ``guard_filter``: compile with that GUARD_FILTERS filter (in each row).
+    ``experts_impl``: a mixture of experts' bf16 experts implementation in transformers (in each row)."""
     check_flags(variants, guard_filter, modes)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     meta = {"run": uuid.uuid4().hex[:8], "gpu": torch.cuda.get_device_name() if cuda else "CPU",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "arch": sizes.arch,
-            **({"guard_filter": guard_filter} if guard_filter else {})}
+            **({"guard_filter": guard_filter} if guard_filter else {}),
+            **({"experts_impl": experts_impl} if sizes.arch in models.MOE_ARCHS else {})}
     rows = []
     for depth in layers:
         sizes = dataclasses.replace(sizes, layers=depth)
         rows += _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
-                           profile_dir, steps_dir, guard_filter)
+                           profile_dir, steps_dir, guard_filter, experts_impl)
     return rows
 
 
 def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls, meta, out, log,
-               profile_dir, steps_dir, guard_filter) -> list[dict]:
+               profile_dir, steps_dir, guard_filter, experts_impl) -> list[dict]:
     with models.quiet_imports(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        base = models.random_llama(sizes, max(cache_len, prefill), device, 0)
+        base = models.random_llama(sizes, max(cache_len, prefill), device, 0, experts_impl)
         ids = models.prompt(base, 64, prefill, 0)
         built = {}
         for variant in variants:
@@ -526,7 +545,12 @@ def _line(row: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b",
-                    help="the model's sizes: Llama-3-8B's, or Qwen3-8B's (36 layers, intermediate 12288, q/k norms)")
+                    help="the model's sizes: Llama-3-8B's, Qwen3-8B's (36 layers, intermediate 12288, q/k norms), or "
+                         "a mixture of experts': Qwen3-30B-A3B's (48 layers, 128 experts, top-8, width 768; bf16 61 GB) "
+                         "or OLMoE-1B-7B's (16 layers, 64 experts, top-8, width 1024); their W8A8 variants: moe-int8, "
+                         "moe-fp8")
+    ap.add_argument("--experts-impl", choices=["grouped_mm", "batched_mm", "eager"], default="grouped_mm",
+                    help="a mixture of experts' bf16 experts in transformers (the quantized variants run fusepass's)")
     ap.add_argument("--layers", default=None, help="comma list of depths (default: the shape's full depth)")
     ap.add_argument("--variants", default="bf16,fp8-stock,int8,int8-asym,fp8,int8-handwritten",
                     help=f"comma list of {', '.join(VARIANTS)}; any of them + {FROZEN}: compiled with "
@@ -578,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--cache ({args.cache}) must hold --calls + 11 decode steps (+ 5 with --profile-steps)")
     rows = run(layers, variants, modes, steps, prefill=args.prefill, cache_len=args.cache, calls=args.calls,
                out=args.out, sizes=shape, profile_dir=args.profile_compile, steps_dir=args.profile_steps,
-               guard_filter=args.guard_filter)
+               guard_filter=args.guard_filter, experts_impl=args.experts_impl)
     print(report(rows))
     return 0
 

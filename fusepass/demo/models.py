@@ -34,6 +34,9 @@ TORCHAO_CONFIGS = {
 }
 
 
+MOE_ARCHS = ("qwen3_moe", "olmoe")  # transformers' Qwen3MoeForCausalLM, OlmoeForCausalLM
+
+
 @dataclass(frozen=True)
 class Sizes:
     """The random model's sizes (transformers' LlamaConfig names)."""
@@ -44,7 +47,10 @@ class Sizes:
     heads: int
     kv_heads: int
     vocab_size: int
-    arch: str = "llama"  # or "qwen3": Qwen3ForCausalLM (q/k norms, head size 128)
+    arch: str = "llama"  # or "qwen3": Qwen3ForCausalLM (q/k norms, head size 128); or MOE_ARCHS
+    experts: int = 0  # a mixture of experts (MOE_ARCHS): the experts of a layer,
+    top_k: int = 0  # the experts each token is routed to,
+    expert_size: int = 0  # and an expert's intermediate width
 
     def problems(self) -> list[str]:
         """What is wrong with these sizes, in the flags' words (empty if nothing)."""
@@ -77,26 +83,42 @@ def quiet_imports():
             lg.setLevel(level)
 
 
-def random_llama(sizes: Sizes, max_len: int, device: torch.device, seed: int) -> nn.Module:
+def random_llama(sizes: Sizes, max_len: int, device: torch.device, seed: int, experts_impl: str | None = None) -> nn.Module:
     """A LlamaForCausalLM from a config: random weights, nothing downloaded. Weights are drawn
     like a trained model's scale (unit-variance activations through every linear), so that
-    quantization error and greedy decoding look as they would on a real model."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    quantization error and greedy decoding look as they would on a real model. ``experts_impl``
+    (a mixture of experts): transformers' experts implementation ("grouped_mm", "batched_mm",
+    "eager"), else its default."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, OlmoeConfig, Qwen3Config, Qwen3MoeConfig
 
     kwargs = dict(
         hidden_size=sizes.hidden_size, intermediate_size=sizes.intermediate_size,
         num_hidden_layers=sizes.layers, num_attention_heads=sizes.heads, num_key_value_heads=sizes.kv_heads,
         vocab_size=sizes.vocab_size, max_position_embeddings=max_len, tie_word_embeddings=False,
     )
-    config = Qwen3Config(**kwargs, head_dim=128) if sizes.arch == "qwen3" else LlamaConfig(**kwargs)
+    if sizes.arch == "qwen3":
+        config = Qwen3Config(**kwargs, head_dim=128)
+    elif sizes.arch == "qwen3_moe":  # (every layer sparse; the experts' width is moe_intermediate_size)
+        config = Qwen3MoeConfig(**kwargs, head_dim=128, num_experts=sizes.experts, num_experts_per_tok=sizes.top_k,
+                                moe_intermediate_size=sizes.expert_size, norm_topk_prob=True)
+    elif sizes.arch == "olmoe":  # (the experts' width is intermediate_size)
+        config = OlmoeConfig(**{**kwargs, "intermediate_size": sizes.expert_size}, num_experts=sizes.experts,
+                             num_experts_per_tok=sizes.top_k, eos_token_id=None, pad_token_id=None)
+    else:
+        config = LlamaConfig(**kwargs)
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        impl = {"experts_implementation": experts_impl} if experts_impl and sizes.arch in MOE_ARCHS else {}
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, **impl)
         for m in model.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=m.in_features**-0.5)
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight)
+            elif sizes.arch in MOE_ARCHS:  # (the experts' 3-D weights, and a router's: zeros route every token alike)
+                for p in m.parameters(recurse=False):
+                    if p.dim() >= 2:
+                        nn.init.normal_(p, std=p.shape[-1]**-0.5)
     return model.eval()
 
 
@@ -269,11 +291,28 @@ def save_compressed(model: nn.Module, compressor, path) -> None:
     compressor.update_config(path)
 
 
+def _experts_copy(model: nn.Module, quant: str) -> nn.Module:
+    """A W8A8 copy of a MoE ``model``: its experts by ``fusepass.quantize_experts``, its other
+    nn.Linears (attention; the routers are not nn.Linear) by torchao. The copy shares the experts'
+    float weights instead of copying them (a full-size model's are most of its bytes), then drops them."""
+    from ..integrations.experts import is_experts, quantize_experts
+
+    shared = {id(p): p for m in model.modules() if is_experts(m) for p in m.parameters(recurse=False)}
+    qmodel = copy.deepcopy(model, memo=dict(shared))
+    report = quantize_experts(qmodel, "fp8" if quant == "fp8" else "int8")
+    if report.left:
+        raise ValueError(f"experts left as they are: {report}")
+    return _torchao(qmodel, quant)
+
+
 def quantized_copy(model: nn.Module, quant: str, quantizer: str) -> nn.Module:
     """A W8A8 copy of ``model``: every nn.Linear (lm_head included) quantized by torchao's
     config for ``quant`` (TORCHAO_CONFIGS), or by the hand-written QuantLinear; or, by
     compressed-tensors, every one but lm_head, as its checkpoint of ``CT_SCHEMES[quant]``
-    loads."""
+    loads; or (``experts``, a mixture of experts) its experts by ``fusepass.quantize_experts``
+    and its other linears by torchao."""
+    if quantizer == "experts":
+        return _experts_copy(model, quant)
     qmodel = copy.deepcopy(model)
     if quantizer == "handwritten":
         from .handwritten import quantize
@@ -286,6 +325,11 @@ def quantized_copy(model: nn.Module, quant: str, quantizer: str) -> nn.Module:
         return transformers_fp8(qmodel, (128, 128) if quant == "fp8-block" else None)
     if quantizer == "fbgemm":
         return fbgemm_fp8(qmodel)
+    return _torchao(qmodel, quant)
+
+
+def _torchao(qmodel: nn.Module, quant: str) -> nn.Module:
+    """``qmodel``'s nn.Linears quantized in place by torchao's config for ``quant``."""
     if quant not in QUANTS:
         raise ValueError(f"{quant}: compressed-tensors only (torchao's: {', '.join(QUANTS)})")
     with quiet_imports():

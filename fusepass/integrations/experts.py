@@ -92,7 +92,7 @@ def _refusal(module: nn.Module) -> str | None:
     return None
 
 
-def _is_experts(module: nn.Module) -> bool:
+def is_experts(module: nn.Module) -> bool:
     """transformers' experts modules: 3-D ``gate_up_proj`` / ``down_proj`` and an ``act_fn``."""
     return (hasattr(module, "act_fn") and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
             and isinstance(getattr(module, "down_proj", None), torch.Tensor)
@@ -123,7 +123,7 @@ def quantize_experts(model: nn.Module, kind: str = "int8") -> ExpertsReport:
         raise ValueError(f"fusepass.quantize_experts: kind must be one of {', '.join(KINDS)}; got {kind!r}")
     report = ExpertsReport()
     for name, module in list(model.named_modules()):
-        if not _is_experts(module):
+        if not is_experts(module):
             continue
         why = _refusal(module)
         if why is not None:

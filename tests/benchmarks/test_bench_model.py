@@ -340,7 +340,8 @@ def test_the_fused_gemms_time_is_fusepass_kernels_by_name():
     kernels = step + [(name, start + 40, end + 40) for name, start, end in step]
     assert bench.fused_gemm_ms(kernels, calls=2) == pytest.approx(18e-3)
     assert set(bench.FUSED_GEMMS) == {"scaled_gemv_kernel", "scaled_mm_kernel", "scaled_mm_persistent_kernel",
-                                      "scaled_mm_group_kernel", "blockwise_mm_kernel", "blockwise_gemv_kernel"}
+                                      "scaled_mm_group_kernel", "blockwise_mm_kernel", "blockwise_gemv_kernel",
+                                      "grouped_gemv_kernel", "grouped_mm_kernel"}
 
 
 def test_linear_weights_are_the_decoders_linears_without_lm_head():
@@ -372,3 +373,40 @@ def test_a_decode_cell_on_the_gpu_has_its_fused_gemms_time():
     bf16, int8 = rows
     assert "gemm_ms" not in bf16 and "error" not in int8, rows  # (bf16's GEMMs are cuBLAS's)
     assert 0 < int8["gemm_ms"] < int8["kernel_ms"] and int8["gemm_TBps"] > 0, int8
+
+
+@pytest.mark.parametrize("arch", models.MOE_ARCHS)
+def test_a_mixture_of_experts_runs_bf16_and_its_w8a8_experts(arch):
+    """--shape qwen3-30b-a3b / olmoe-1b-7b at a small size: the bf16 model with the experts
+    implementation asked for, and moe-int8 (experts by quantize_experts, attention by torchao,
+    prepared), each step a row; the experts' float weights are not copied."""
+    import torch
+
+    from fusepass.integrations.experts import W8A8Experts
+
+    sizes = models.Sizes(1, 128, 256, 4, 2, 256, arch, 8, 2, 64)
+    rows = bench.run([1], ["bf16", "moe-int8"], ["eager"], ["b1", "prefill"], prefill=8, cache_len=32, calls=2,
+                     out=None, sizes=sizes, experts_impl="batched_mm", log=lambda _: None)
+    assert [(r["variant"], r["step"]) for r in rows] == [("bf16", "b1"), ("moe-int8", "b1"), ("bf16", "prefill"),
+                                                         ("moe-int8", "prefill")]
+    assert not [r for r in rows if "error" in r] and all(r["experts_impl"] == "batched_mm" for r in rows)
+    base = models.random_llama(sizes, 32, torch.device("cpu"), 0, "batched_mm")
+    assert base.config._experts_implementation == "batched_mm"
+    model = bench.build("moe-int8", base, log=lambda _: None)
+    assert isinstance(model.model.layers[0].mlp.experts, W8A8Experts)
+    experts = base.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.bfloat16  # (the base's own, shared by the copy, untouched)
+    ids = models.prompt(base, 1, 8, seed=0)
+    with torch.no_grad():
+        ref, out = base(ids).logits.float(), model(ids).logits.float()
+    assert 0 < (out - ref).norm() < 0.5 * ref.norm()
+
+
+def test_a_moe_decode_step_reads_the_routed_experts():
+    """linear_weights of a mixture of experts: attention's and the k routed experts' (batch 1)."""
+    from types import SimpleNamespace
+
+    c = SimpleNamespace(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                        num_hidden_layers=48, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144)
+    attention = 2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128
+    assert bench.linear_weights(c) == 48 * (attention + 8 * 3 * 2048 * 768)
