@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..ops.grouped import scaled_grouped_mm
-from .linear import FP8_MAX, Act, act_index, ACTS, quantize_input
+from .linear import ACTS, FP8_MAX, Act, act_index, keeping_dtypes, quantize_input
 
 KINDS = ("int8", "fp8")
 _QMAX = {"int8": 127.0, "fp8": FP8_MAX}
@@ -56,6 +56,11 @@ class W8A8Experts(nn.Module):
     def act(self) -> Act:
         return ACTS[self.act_index]
 
+    def _apply(self, fn, recurse=True):
+        """Device moves move the weights and scales; dtype casts (``.half()``, ``.to(dtype)``) leave them."""
+        return super()._apply(keeping_dtypes(fn, (self.gate_up, self.gate_up_scale, self.down, self.down_scale)),
+                              recurse)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         act, (T, k) = ACTS[self.act_index], top_k_index.shape
         q, scale, _ = quantize_input(hidden_states, act)
@@ -75,7 +80,19 @@ class W8A8Experts(nn.Module):
 
 
 def _refusal(module: nn.Module) -> str | None:
-    """Why transformers' experts ``module`` cannot become a W8A8Experts, or None."""
+    """Why transformers' experts ``module`` cannot become a W8A8Experts, or None: what replacing it
+    would lose (a class of its own, hooks, a forward replaced on the instance), or what the
+    grouped GEMMs do not compute."""
+    cls = type(module)
+    if not cls.__module__.startswith("transformers."):
+        return (f"a {cls.__module__}.{cls.__qualname__} (not one of transformers' experts classes): its behaviour "
+                "would be lost")
+    hooks = [kind for kind, held in (("forward pre-hooks", module._forward_pre_hooks),
+                                     ("forward hooks", module._forward_hooks)) if held]
+    if hooks:
+        return f"it has {' and '.join(hooks)}, which W8A8Experts would not run; register them after quantize_experts"
+    if "forward" in module.__dict__:
+        return "its forward is replaced on the instance (an offload or dispatch hook), which W8A8Experts would not run"
     flags = {"has_bias": False, "is_transposed": False, "has_gate": True, "has_post_expert_norm": False,
              "is_concatenated": True}
     for name, wanted in flags.items():

@@ -138,6 +138,21 @@ def act_index(act: Act) -> int:
     return ACTS.index(act)
 
 
+def keeping_dtypes(fn, kept):
+    """``fn`` (a module's ``_apply`` function) that moves the tensors ``kept`` (quantized values,
+    their scales) as it moves them but never casts them: ``.to(dtype)``, ``.half()``, ``.bfloat16()``
+    convert floating tensors, an fp8 weight and fp32 scales among them, and would change what they hold."""
+    ids = {id(t) for t in kept if t is not None}
+
+    def keep_dtype(t):
+        if id(t) in ids:  # (what fn makes of an empty tensor of t's: a cast not to make of t)
+            probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+            if probe.dtype != t.dtype:
+                return t.to(probe.device)
+        return fn(t)
+    return keep_dtype
+
+
 class Joint(nn.Module):
     """The weights of one or more sibling linears, rows in order:
     ``weight`` (N, K) int8 / fp8, ``weight_scale`` (N,) fp32 (``fp8-block``: (N / 128, K / 128),
@@ -168,15 +183,8 @@ class Joint(nn.Module):
         except that the quantized values and scales keep their dtypes: ``.to(dtype)``,
         ``.half()``, ``.bfloat16()`` convert floating tensors, an fp8 weight and fp32 scales
         among them, and would change what they hold. Only the bias follows."""
-        kept = {id(t) for t in (self.weight, self.weight_scale, self.colsum, self.input_scale) if t is not None}
-
-        def keep_dtype(t):
-            if id(t) in kept:  # (what fn makes of an empty tensor of t's: a cast not to make of t)
-                probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
-                if probe.dtype != t.dtype:
-                    return t.to(probe.device)
-            return fn(t)
-        return super()._apply(keep_dtype, recurse)
+        kept = (self.weight, self.weight_scale, self.colsum, self.input_scale)
+        return super()._apply(keeping_dtypes(fn, kept), recurse)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         pass  # (each linear saves its rows)

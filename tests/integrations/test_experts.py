@@ -103,7 +103,7 @@ def test_compiled_with_fusepass_as_eager():
 
 
 class _Experts(nn.Module):
-    """transformers-like experts with flags of its own."""
+    """transformers-like experts (as if of transformers' own classes) with flags of its own."""
 
     def __init__(self, **flags):
         super().__init__()
@@ -113,16 +113,44 @@ class _Experts(nn.Module):
         self.__dict__.update(flags)
 
 
+_Experts.__module__ = "transformers.models.fake"
+
+
 class _CustomGate(_Experts):
     def _apply_gate(self, gate_up):
         return gate_up
+
+
+_CustomGate.__module__ = _Experts.__module__
+
+
+class _Users(_Experts):
+    pass
+
+
+_Users.__module__ = __name__  # (a user's own class)
+
+
+def _hooked():
+    m = _Experts()
+    m.register_forward_hook(lambda *args: None)
+    return m
+
+
+def _wrapped():
+    m = _Experts()
+    m.forward = lambda *args: None
+    return m
 
 
 @pytest.mark.parametrize("module,why", [
     (_Experts(has_bias=True), "has_bias=True experts are not supported"),
     (_Experts(is_transposed=True), "is_transposed=True experts are not supported"),
     (_CustomGate(), "a custom gate (_CustomGate._apply_gate) is not supported"),
-])
+    (_Users(), f"a {__name__}._Users (not one of transformers' experts classes)"),
+    (_hooked(), "it has forward hooks, which W8A8Experts would not run"),
+    (_wrapped(), "its forward is replaced on the instance"),
+], ids=["bias", "transposed", "gate", "class", "hooks", "forward"])
 def test_what_it_cannot_take_is_left_with_the_reason(module, why):
     model = nn.Sequential(module)
     report = quantize_experts(model)
@@ -140,3 +168,24 @@ def test_the_act_is_the_kinds():
     quantize_experts(model, "fp8")
     assert {m.act for m in _experts(model)} == {Act("fp8")}
     assert "act=fp8" in repr(_experts(model)[0]) and fusepass.W8A8Experts is W8A8Experts
+
+
+def test_dtype_casts_leave_the_quantized_values_and_device_moves_carry_them():
+    model = moe_model("qwen3_moe")
+    quantize_experts(model, "fp8")
+    module = _experts(model)[0]
+    model.half()
+    assert (module.gate_up.dtype, module.gate_up_scale.dtype) == (torch.float8_e4m3fn, torch.float32)
+    model.to("meta")
+    assert module.down.device.type == "meta" and module.down.dtype == torch.float8_e4m3fn
+
+
+def test_the_state_dict_loads_into_another_quantized_copy():
+    a, b = moe_model("mixtral", seed=0), moe_model("mixtral", seed=1)
+    quantize_experts(a, "int8"), quantize_experts(b, "int8")
+    state = a.state_dict()
+    assert "model.layers.0.mlp.experts.gate_up" in state and "model.layers.0.mlp.experts.gate_up_proj" not in state
+    b.load_state_dict(state)
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        torch.testing.assert_close(b(ids).logits, a(ids).logits, rtol=0, atol=0)
