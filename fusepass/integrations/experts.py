@@ -151,4 +151,13 @@ def quantize_experts(model: nn.Module, kind: str = "int8") -> ExpertsReport:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, new)
         report.converted.append(name)
+    if report.converted and callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained = _refuse_to_save  # (its checkpoint would load back as random experts)
     return report
+
+
+def _refuse_to_save(*args, **kwargs):
+    raise NotImplementedError(
+        "save_pretrained of a model whose experts fusepass.quantize_experts converted: no checkpoint format holds "
+        "W8A8Experts yet, and from_pretrained would build float experts without their weights; save the float "
+        "model, and call quantize_experts after loading it")

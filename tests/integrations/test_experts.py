@@ -189,3 +189,12 @@ def test_the_state_dict_loads_into_another_quantized_copy():
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         torch.testing.assert_close(b(ids).logits, a(ids).logits, rtol=0, atol=0)
+
+
+def test_save_pretrained_is_refused_with_the_way_out(tmp_path):
+    """A checkpoint of W8A8Experts would load back as float experts with random weights."""
+    model = moe_model("olmoe")
+    quantize_experts(model, "int8")
+    with pytest.raises(NotImplementedError, match="save the float model, and call quantize_experts after loading it"):
+        model.save_pretrained(tmp_path)
+    assert not list(tmp_path.iterdir())
