@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .backend import capture_backend
+from .integrations.experts import W8A8Experts
 from .passes import Decision, FusePass, PassConfig
 
 
@@ -15,6 +16,9 @@ class Report:
     """Every candidate quantized matmul the pass saw, fused or left alone; print it."""
 
     decisions: list[Decision]
+    # (path, what it runs) of each fusepass.W8A8Experts of the model: its grouped GEMMs are ops the
+    # module calls itself, traced into their kernels, not matmuls the pass rewrites
+    experts: list = field(default_factory=list)
 
     @property
     def fused(self) -> list[Decision]:
@@ -46,6 +50,8 @@ class Report:
             lines.append(f"{head}\n      {verdict}")
             if d.location:
                 lines.append(f"      at {d.location}")
+        for path, what in self.experts:
+            lines.append(f"  {path}: {what}")
         return "\n".join(lines)
 
 
@@ -77,4 +83,13 @@ def explain(fn, *example_inputs, config: PassConfig | None = None, dynamic: bool
         raise RuntimeError("fusepass.explain: torch.compile traced no graph of fn (Dynamo ran it uncompiled: "
                            "a frame past torch._dynamo.config.recompile_limit, or torch.compiler.disable); "
                            "torch._dynamo.reset() clears the compiled frames")
-    return Report(decisions)
+    return Report(decisions, _experts(fn))
+
+
+def _experts(fn) -> list:
+    """Each fusepass.W8A8Experts of ``fn`` (a module) and what it runs."""
+    if not isinstance(fn, torch.nn.Module):
+        return []
+    return [(path, f"fusepass.W8A8Experts ({m.act.kind}, {m.num_experts} experts): gate/up and down as "
+                   "fusepass.scaled_grouped_mm, the routing weights in down's epilogue")
+            for path, m in fn.named_modules() if isinstance(m, W8A8Experts)]

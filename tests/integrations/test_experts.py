@@ -198,3 +198,14 @@ def test_save_pretrained_is_refused_with_the_way_out(tmp_path):
     with pytest.raises(NotImplementedError, match="save the float model, and call quantize_experts after loading it"):
         model.save_pretrained(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_explain_lists_the_experts_and_what_they_run():
+    model = moe_model("qwen3_moe")
+    quantize_experts(model, "int8")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        report = fusepass.explain(model, torch.randint(0, 256, (1, 4)))
+    assert [path for path, _ in report.experts] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert ("  model.layers.1.mlp.experts: fusepass.W8A8Experts (int8, 16 experts): gate/up and down as "
+            "fusepass.scaled_grouped_mm, the routing weights in down's epilogue") in str(report).splitlines()
