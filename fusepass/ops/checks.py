@@ -105,23 +105,26 @@ def check_out_dtype(op: str, out_dtype) -> None:
         raise TypeError(f"{op}: `out_dtype` must be one of {names(OUT_DTYPES)}; got {out_dtype!r}{what}")
 
 
-def _check_operands(op: str, a, b, in_dtypes) -> tuple:
-    """``a`` [M, K] and ``b`` [K, N] of one supported dtype; returns (M, K, N)."""
+def check_operands(op: str, a, b, in_dtypes, experts: bool = False) -> tuple:
+    """``a`` [M, K] and ``b`` [K, N] (``experts``: [E, K, N], one weight an expert) of one supported
+    dtype; returns (M, K, N)."""
     check_tensor(op, "a", a, in_dtypes)
     check_tensor(op, "b", b, in_dtypes)
     if b.dtype != a.dtype:
         raise TypeError(f"{op}: `b` must have the dtype of `a` ({a.dtype}); got {describe(b)}")
     if a.dim() != 2:
         raise ValueError(f"{op}: `a` must be 2-D [M, K]; got {describe(a)}")
-    if b.dim() != 2:
-        raise ValueError(f"{op}: `b` must be 2-D [K, N]; got {describe(b)}")
+    shape = "[E, K, N]" if experts else "[K, N]"
+    if b.dim() != 2 + experts:
+        raise ValueError(f"{op}: `b` must be {2 + experts}-D {shape}" + (" (one [K, N] weight an expert)" if experts else "")
+                         + f"; got {describe(b)}")
     M, K = a.shape
-    if b.shape[0] != K:
+    if b.shape[-2] != K:
         raise ValueError(
-            f"{op}: `b` must be [K, N] with K = {K} (from `a` {tuple(a.shape)}); "
+            f"{op}: `b` must be {shape} with K = {K} (from `a` {tuple(a.shape)}); "
             f"got b of shape {tuple(b.shape)}"
         )
-    return M, K, b.shape[1]
+    return M, K, b.shape[-1]
 
 
 def check_devices(op: str, tensors: dict) -> None:
@@ -155,7 +158,7 @@ def check_bias(op: str, bias, N, tensors: dict) -> None:
 
 def check_int_mm_args(op: str, a, b) -> None:
     """Validate the arguments of ``int_mm``."""
-    _, K, _ = _check_operands(op, a, b, (torch.int8,))
+    _, K, _ = check_operands(op, a, b, (torch.int8,))
     check_devices(op, {"a": a, "b": b})
     check_k(op, K, MAX_K_INT8)
     check_gpu(op, a.device, a.dtype)
@@ -175,7 +178,7 @@ def check_scaled_mm_args(
     with_azp: bool = False,
 ) -> None:
     """Validate the arguments of ``scaled_mm`` (``with_azp=False``) or ``scaled_mm_azp``."""
-    M, K, N = _check_operands(op, a, b, (torch.int8,) if with_azp else INPUT_DTYPES)
+    M, K, N = check_operands(op, a, b, (torch.int8,) if with_azp else INPUT_DTYPES)
     check_out_dtype(op, out_dtype)
     check_scale(op, "scale_a", scale_a, M, 0)
     check_scale(op, "scale_b", scale_b, N, 1)
@@ -278,7 +281,7 @@ def check_blockwise_dynamic_args(op: str, x, b, scale_b, out_dtype, bias, floor)
 
 def check_scaled_mm_blockwise_args(op: str, a, b, scale_a, scale_b, out_dtype, bias) -> None:
     """Validate the arguments of ``scaled_mm_blockwise`` (float8_e4m3fn only)."""
-    M, K, N = _check_operands(op, a, b, (torch.float8_e4m3fn,))
+    M, K, N = check_operands(op, a, b, (torch.float8_e4m3fn,))
     check_out_dtype(op, out_dtype)
     _check_block_scale_a(op, scale_a, M, K)
     _check_block_scale_b(op, scale_b, K, N)

@@ -39,8 +39,8 @@ import torch
 from ..kernels.grouped_launch import launch_scaled_grouped_mm
 from . import reference
 from .checks import (
-    BIAS_DTYPES, INPUT_DTYPES, MAX_K_INT8, SCALE_DTYPES, check_devices, check_gpu, check_k, check_out_dtype,
-    check_tensor, describe, is_vector_of,
+    BIAS_DTYPES, INPUT_DTYPES, MAX_K_INT8, SCALE_DTYPES, check_devices, check_gpu, check_k, check_operands,
+    check_out_dtype, check_tensor, describe, is_vector_of,
 )
 from .registry import call, define
 
@@ -51,19 +51,8 @@ ID_DTYPES = (torch.int32, torch.int64)
 
 def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights) -> None:
     """Validate the arguments (module docstring); errors name the argument."""
-    check_tensor(OP, "a", a, INPUT_DTYPES)
-    check_tensor(OP, "b", b, INPUT_DTYPES)
-    if b.dtype != a.dtype:
-        raise TypeError(f"{OP}: `b` must have the dtype of `a` ({a.dtype}); got {describe(b)}")
-    if a.dim() != 2:
-        raise ValueError(f"{OP}: `a` must be 2-D [M, K]; got {describe(a)}")
-    if b.dim() != 3:
-        raise ValueError(f"{OP}: `b` must be 3-D [E, K, N] (one [K, N] weight an expert); got {describe(b)}")
-    M, K = a.shape
-    E, N = b.shape[0], b.shape[2]
-    if b.shape[1] != K:
-        raise ValueError(f"{OP}: `b` must be [E, K, N] with K = {K} (from `a` {tuple(a.shape)}); "
-                         f"got b of shape {tuple(b.shape)}")
+    M, K, N = check_operands(OP, a, b, INPUT_DTYPES, experts=True)
+    E = b.shape[0]
     check_out_dtype(OP, out_dtype)
     check_tensor(OP, "scale_a", scale_a, SCALE_DTYPES)
     if not ((scale_a.numel() == 1 and scale_a.dim() <= 2) or is_vector_of(scale_a, M, 0)):
