@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..ops.dynamic import quantize_rows
 from ..ops.grouped import scaled_grouped_mm
 from .linear import ACTS, FP8_MAX, Act, act_index, keeping_dtypes, quantize_input
+from .prepare import replacing_loses
 
 KINDS = ("int8", "fp8")
 _QMAX = {"int8": 127.0, "fp8": FP8_MAX}
@@ -30,12 +32,11 @@ _DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 def quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] float weights per output channel (row of each expert): (q [E, N, K], scale [E, N]
-    fp32), symmetric, ``scale = amax / 127`` (int8, rounded) or ``amax / 448`` (e4m3)."""
-    wf = w.detach().float()
-    scale = (wf.abs().amax(dim=-1) / _QMAX[kind]).clamp(min=torch.finfo(torch.float32).tiny)
-    v = wf / scale[..., None]
-    q = v.round().clamp(-127, 127).to(torch.int8) if kind == "int8" else v.clamp(-FP8_MAX, FP8_MAX).to(_DTYPE[kind])
-    return q, scale
+    fp32), symmetric, ``scale = amax / 127`` (int8, rounded) or ``amax / 448`` (e4m3): the ops'
+    per-row recipe (``ops.dynamic.quantize_rows``), the scale first, floored at fp32's tiniest."""
+    q, scale = quantize_rows(w.detach().reshape(-1, w.shape[-1]), _DTYPE[kind], _QMAX[kind],
+                             torch.finfo(torch.float32).tiny, floor_first=False)
+    return q.reshape(w.shape), scale.reshape(w.shape[:-1])
 
 
 class W8A8Experts(nn.Module):
@@ -87,12 +88,9 @@ def _refusal(module: nn.Module) -> str | None:
     if not cls.__module__.startswith("transformers."):
         return (f"a {cls.__module__}.{cls.__qualname__} (not one of transformers' experts classes): its behaviour "
                 "would be lost")
-    hooks = [kind for kind, held in (("forward pre-hooks", module._forward_pre_hooks),
-                                     ("forward hooks", module._forward_hooks)) if held]
-    if hooks:
-        return f"it has {' and '.join(hooks)}, which W8A8Experts would not run; register them after quantize_experts"
-    if "forward" in module.__dict__:
-        return "its forward is replaced on the instance (an offload or dispatch hook), which W8A8Experts would not run"
+    lost = replacing_loses(module, "W8A8Experts", "quantize_experts")
+    if lost is not None:
+        return lost
     flags = {"has_bias": False, "is_transposed": False, "has_gate": True, "has_post_expert_norm": False,
              "is_concatenated": True}
     for name, wanted in flags.items():

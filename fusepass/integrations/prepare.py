@@ -82,15 +82,19 @@ def _changed_behaviour(linear: nn.Module, fmt: Format) -> str | None:
         own = " and its own forward" if cls.forward is not nn.Linear.forward else ""
         return (f"a {cls.__module__}.{cls.__qualname__} (a subclass of nn.Linear{own}): its behaviour would be "
                 "lost; prepare converts nn.Linear itself")
-    hooks = [kind for kind, held in (("forward pre-hooks", linear._forward_pre_hooks), ("forward hooks", linear._forward_hooks),
-                                     ("backward pre-hooks", linear._backward_pre_hooks),
-                                     ("backward hooks", linear._backward_hooks)) if held]
+    return replacing_loses(linear, "the converted module", "prepare", fmt.owns_forward(linear))
+
+
+def replacing_loses(module: nn.Module, new: str, call: str, own_forward: bool = False) -> str | None:
+    """What replacing ``module`` by ``new`` (in ``call``) would not run, or None: its hooks, or a
+    forward replaced on the instance (unless ``own_forward``: one the caller takes apart)."""
+    hooks = [kind for kind, held in (("forward pre-hooks", module._forward_pre_hooks), ("forward hooks", module._forward_hooks),
+                                     ("backward pre-hooks", module._backward_pre_hooks),
+                                     ("backward hooks", module._backward_hooks)) if held]
     if hooks:
-        return (f"it has {' and '.join(hooks)}, which the converted module would not run; register them after "
-                "prepare, on the new module")
-    if "forward" in linear.__dict__ and not fmt.owns_forward(linear):
-        return ("its forward is replaced on the instance (an offload or dispatch hook, a wrapper), which the converted "
-                "module would not run")
+        return f"it has {' and '.join(hooks)}, which {new} would not run; register them after {call}, on the new module"
+    if "forward" in module.__dict__ and not own_forward:
+        return f"its forward is replaced on the instance (an offload or dispatch hook, a wrapper), which {new} would not run"
     return None
 
 
