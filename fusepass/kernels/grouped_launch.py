@@ -1,26 +1,21 @@
-"""Launch of the mixture-of-experts kernels (``grouped.py``): the kernel by the number of rows
-(``policy.GROUPED_ROWS_MAX_M``), the rows' order for the block kernel (``route``), the tiles.
+"""Launch of the mixture-of-experts kernels (``grouped.py``): the kernel and tiles of
+``policy.grouped_tiles``, the rows' order for the block kernel (``route``).
 
 Everything here has a shape fixed by M, E and the tile (no host sync, no data-dependent size):
-a step captures in a CUDA graph and traces under ``torch.compile``.
+a step captures in a CUDA graph and traces under ``torch.compile``. As the other launches,
+eagerly through ``direct.launcher``, traced as a ``wrap_triton`` node Inductor launches itself.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .direct import launcher
 from .grouped import grouped_gemv_kernel, grouped_mm_kernel
 from .launch import INTERPRETED, on_device, traced
-from .policy import GROUPED_ROWS_MAX_M
-
-BLOCK_N, BLOCK_K = 64, 64  # (a first choice, not yet tuned)
-
-
-def block_m(M: int) -> int:
-    """Rows a block of the sorted kernel: fewer where the rows are few (less padding an expert)."""
-    return 16 if M <= 256 else 64
+from .policy import GroupedTiles, grouped_tiles
 
 
 def route(expert_ids: torch.Tensor, E: int, rows_a_block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,9 +40,11 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int) -> tuple[torch.Te
     return rows, block_experts
 
 
-def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None):
+def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,
+                             tiles: GroupedTiles | None = None):
     """The op's CUDA path (and, under Triton's interpreter, CPU tensors): inputs validated by
-    ``ops.grouped.check_grouped_args``. Returns the new contiguous (M, N) output."""
+    ``ops.grouped.check_grouped_args``. Returns the new contiguous (M, N) output. ``tiles``
+    overrides ``policy.grouped_tiles`` (tests, benchmarks/bench_grouped.py's sweep)."""
     M, K = a.shape
     E, N = b.shape[0], b.shape[2]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -62,16 +59,18 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     flags = dict(SCALE_A_PER_ROW=sa.numel() != 1 or M == 1, SCALE_B_PER_CHANNEL=sb.shape[1] != 1 or N == 1,
                  HAS_BIAS=bias is not None, HAS_ROW_WEIGHTS=w is not None)
 
+    t = tiles or grouped_tiles(M, N, K, E)
+    tiling = dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
+
     def launch():
-        if statically_known_true(M <= GROUPED_ROWS_MAX_M):
-            grouped_gemv_kernel[(M, triton.cdiv(N, BLOCK_N))](*args, expert_ids, *sizes, **flags,
-                                                             BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        if t.rows:
+            launcher(grouped_gemv_kernel, fake)[(M, triton.cdiv(N, t.block_n))](*args, expert_ids, *sizes, **flags,
+                                                                               **tiling)
         else:
-            rows_a_block = block_m(M) if is_concrete_int(M) else 64
-            rows, block_experts = route(expert_ids, E, rows_a_block)
-            grid = (block_experts.shape[0], triton.cdiv(N, BLOCK_N))
-            grouped_mm_kernel[grid](*args, rows, block_experts, *sizes, **flags,
-                                    BLOCK_M=rows_a_block, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+            rows, block_experts = route(expert_ids, E, t.block_m)
+            grid = (block_experts.shape[0], triton.cdiv(N, t.block_n))
+            launcher(grouped_mm_kernel, fake)[grid](*args, rows, block_experts, *sizes, **flags,
+                                                    BLOCK_M=t.block_m, **tiling)
         return out
 
     return on_device(a, fake, launch)

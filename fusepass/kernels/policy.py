@@ -27,10 +27,48 @@ FP8_CUBLAS_ABOVE_M = 64
 MAX_MEMBERS = 4
 # A mixture of experts' grouped matmul (``kernels/grouped.py``): up to this many rows, a program a
 # row reading its expert's weight (decode: batch 1 with top-8 is 8 rows in 8 experts); above,
-# the rows sorted into blocks of one expert, each block's weight tile read once. A first choice,
-# not yet timed on a GPU: the decode kernel's reads of one expert by several rows grow with the
-# rows, the sorted blocks' padding with the experts.
+# the rows sorted into blocks of one expert, each block's weight tile read once. At 128 rows
+# (batch 16, top-8) the blocks were already the faster (docs/PERFORMANCE.md, "Mixture of experts").
 GROUPED_ROWS_MAX_M = 32
+# Rows an expert on average up to which the sorted kernel takes its small blocks (few rows an
+# expert: padding costs more than the larger tiles save); above, the prefill tiles.
+GROUPED_SMALL_BLOCKS_MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class GroupedTiles:
+    """The tiles of one grouped launch: the row kernel (``rows``; ``block_m`` unused) or the
+    sorted-block kernel."""
+
+    rows: bool
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    def __str__(self) -> str:
+        if self.rows:
+            return f"rows {self.block_n}x{self.block_k} w{self.num_warps}"
+        return f"blocks {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def grouped_tiles(M, N, K, E) -> GroupedTiles:
+    """The kernel and tiles of ``fusepass.scaled_grouped_mm`` at M rows, E experts of [K, N]
+    (the H200 sweep of Qwen3-30B-A3B's and OLMoE's experts: docs/PERFORMANCE.md, "Mixture of
+    experts"). A symbolic M takes the prefill tiles. Tiles no wider than N and K need."""
+    if statically_known_true(M <= GROUPED_ROWS_MAX_M):
+        tiles = GroupedTiles(True, 1, 32, 512 if K >= 2048 else 256, 4, 1)
+    elif is_concrete_int(M) and int(M) <= GROUPED_SMALL_BLOCKS_MAX_ROWS * E:
+        tiles = GroupedTiles(False, 16, 128, 256, 8, 3)
+    else:
+        tiles = GroupedTiles(False, 64, 256, 128, 8, 3)
+    return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(16, _pow2_at_least(N))),
+                        min(tiles.block_k, max(32, _pow2_at_least(K))), tiles.num_warps, tiles.num_stages)
 
 
 @dataclass(frozen=True)

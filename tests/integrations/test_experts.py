@@ -13,6 +13,7 @@ from fusepass.integrations.experts import W8A8Experts, quantize_experts
 from fusepass.integrations.linear import Act, quantize_input
 
 ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               vocab_size=256, max_position_embeddings=64)
 
@@ -91,15 +92,39 @@ def test_the_module_computes_its_quantized_values(kind):
     assert module.gate_up.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
 
 
-def test_compiled_with_fusepass_as_eager():
-    model = moe_model("qwen3_moe")
+def _routed_inputs(T: int, H: int, E: int, k: int, seed: int, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    index = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.softmax(torch.randn(T, k, generator=g), -1)
+    return x.to(device), index.to(device), weights.to(device)
+
+
+@pytest.mark.parametrize("tokens", [1, 12])  # (the row kernel's and the blocks' M on a GPU: 4 and 48 rows)
+def test_compiled_with_fusepass_as_eager(tokens):
+    model = moe_model("qwen3_moe").to(DEVICE)
     quantize_experts(model, "int8")
-    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(3))
+    module = _experts(model)[0]
+    inputs = _routed_inputs(tokens, 128, 16, 4, seed=tokens, device=DEVICE)
     torch._dynamo.reset()
     with torch.no_grad():
-        want = model(ids).logits
-        got = torch.compile(model, backend="fusepass", dynamic=False, fullgraph=True)(ids).logits
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+        want = module(*inputs)
+        got = torch.compile(module, backend="fusepass", dynamic=False, fullgraph=True)(*inputs)
+    # (a compiled quantization may round a value the other way: one int8 step of a row)
+    assert got.dtype == want.dtype and ((got.double() - want.double()).norm() / want.double().norm()).item() < 1e-2
+
+
+def test_a_model_with_converted_experts_compiles_as_one_graph():
+    model = moe_model("qwen3_moe").to(DEVICE)
+    quantize_experts(model, "int8")
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(ids).logits.float()
+        got = torch.compile(model, backend="fusepass", dynamic=False, fullgraph=True)(ids).logits.float()
+    # Loose: the router's compiled bf16 logits can pick another expert for a token near a tie
+    # (one token of 6 with the GPU machine's torch 2.11); the experts' own numerics are the test above.
+    assert torch.isfinite(got).all() and ((got - want).norm() / want.norm()).item() < 0.25
 
 
 class _Experts(nn.Module):

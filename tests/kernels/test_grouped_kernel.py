@@ -1,7 +1,9 @@
 """The mixture-of-experts kernels (``kernels/grouped.py``; Triton's interpreter on CPU, the GPU
 where there is one): the row kernel (M <= GROUPED_ROWS_MAX_M) and the sorted-block kernel (above)
-against the op's reference: int8 bit for bit (exact sums, the same epilogue order), fp8 within
-the oracle's bound; rows with no valid expert NaN; the routing's block layout."""
+against the op's reference: int8 in fp32 bit for bit under the interpreter (exact sums, the same
+epilogue order; on a GPU the compiler contracts the epilogue's multiply-adds, so there within the
+oracle's fp32 bound), fp8 within the oracle's bound; rows with no valid expert NaN; the routing's
+block layout."""
 
 import pytest
 import torch
@@ -17,6 +19,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # for every kernel it runs); the GPU rounds.
 HALF_ULPS = 1 if DEVICE == "cuda" else 2
 
+
+def assert_as_the_reference(p, out):
+    """``out`` (fp32) as the reference computes it: bit for bit under the interpreter, within
+    the oracle's fp32 bound on a GPU (fused multiply-adds in the epilogue)."""
+    if DEVICE == "cuda":
+        assert_matches_oracle(out, p, torch.float32)
+        return
+    ref = reference.scaled_grouped_mm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in p.args(torch.float32)])
+    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0, equal_nan=True)
+
 # (tokens, top_k, E, N, K): decode-like rows (the row kernel: M <= GROUPED_ROWS_MAX_M), then
 # prefill-like (the blocks), ragged N and K, experts with no rows.
 SHAPES = [(1, 8, 16, 72, 96), (4, 2, 8, 64, 128), (3, 1, 64, 40, 200), (12, 4, 8, 80, 64), (20, 2, 32, 48, 130)]
@@ -31,9 +43,7 @@ def test_the_kernels_against_the_reference(dtype, tokens, top_k, E, N, K):
     assert out[-1].isnan().all()
     assert_matches_oracle(out, p, torch.bfloat16, HALF_ULPS)
     if dtype == torch.int8:  # (in fp32: the interpreter's bf16 rounding is not torch's)
-        exact = launch_scaled_grouped_mm(*p.args(torch.float32))
-        ref = reference.scaled_grouped_mm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in p.args(torch.float32)])
-        torch.testing.assert_close(exact.cpu(), ref, rtol=0, atol=0, equal_nan=True)
+        assert_as_the_reference(p, launch_scaled_grouped_mm(*p.args(torch.float32)))
 
 
 @pytest.mark.parametrize("M", [GROUPED_ROWS_MAX_M, GROUPED_ROWS_MAX_M + 1])
@@ -41,9 +51,7 @@ def test_the_kernels_against_the_reference(dtype, tokens, top_k, E, N, K):
                          ids=str)
 def test_both_kernels_take_every_variant(M, variant):
     p = make_grouped(M, 1, 8, 40, 72, device=DEVICE, seed=M, **variant)
-    out = launch_scaled_grouped_mm(*p.args(torch.float32))
-    ref = reference.scaled_grouped_mm(*[t.cpu() if isinstance(t, torch.Tensor) else t for t in p.args(torch.float32)])
-    torch.testing.assert_close(out.cpu(), ref, rtol=0, atol=0)
+    assert_as_the_reference(p, launch_scaled_grouped_mm(*p.args(torch.float32)))
 
 
 def test_route_sorts_rows_into_blocks_of_one_expert():
@@ -58,3 +66,15 @@ def test_route_sorts_rows_into_blocks_of_one_expert():
     assert sorted(placed.tolist()) == list(range(M))
     block_of = {r: experts[i // 2].item() for i, r in enumerate(rows.tolist()) if r < M}
     assert all(block_of[r] == (ids[r].item() if ids[r] < 3 else 3) for r in range(M))
+
+
+def test_the_tiles_by_rows_and_rows_an_expert():
+    from fusepass.kernels.policy import GROUPED_SMALL_BLOCKS_MAX_ROWS, grouped_tiles
+
+    E, K, N = 128, 2048, 1536
+    assert str(grouped_tiles(8, N, K, E)) == "rows 32x512 w4"
+    assert str(grouped_tiles(8, 2048, 768, E)) == "rows 32x256 w4"  # (down's K)
+    assert str(grouped_tiles(GROUPED_ROWS_MAX_M + 1, N, K, E)) == "blocks 16x128x256 w8 s3"
+    assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E, N, K, E)) == "blocks 16x128x256 w8 s3"
+    assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E + 1, N, K, E)) == "blocks 64x256x128 w8 s3"
+    assert str(grouped_tiles(40, 40, 72, 8)) == "blocks 16x64x128 w8 s3"  # (no wider than N and K need)

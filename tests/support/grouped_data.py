@@ -56,11 +56,17 @@ def oracle(p: Grouped) -> tuple[torch.Tensor, torch.Tensor]:
     ids = p.expert_ids.long().cpu()
     valid = (ids >= 0) & (ids < E)
     e = ids.clamp(0, E - 1)
-    a, b = p.a.cpu().double(), p.b.cpu().double()[e]  # [M, K, N]
+    a = p.a.double()
+    acc = torch.zeros(M, N, dtype=torch.float64, device=a.device)
+    mag = torch.zeros_like(acc)
+    for expert in e.unique().tolist():  # (one expert at a time: no [M, K, N] gather at GPU sizes)
+        rows = (e == expert).nonzero().reshape(-1).to(a.device)
+        b = p.b[expert].double()
+        acc[rows], mag[rows] = a[rows] @ b, a[rows].abs() @ b.abs()
+    acc, mag = acc.cpu(), mag.cpu()
     sa = p.scale_a.cpu().double().reshape(-1, 1).expand(M, 1)
     sb = p.scale_b.cpu().double().reshape(E, -1).expand(E, N)[e]
-    acc = torch.einsum("mk,mkn->mn", a, b)
-    mag = torch.einsum("mk,mkn->mn", a.abs(), b.abs()) * sa * sb
+    mag = mag * sa * sb
     value = acc * sa * sb
     if p.bias is not None:
         bias = p.bias.cpu().double()[e]

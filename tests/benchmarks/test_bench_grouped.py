@@ -1,0 +1,42 @@
+"""benchmarks/bench_grouped.py: its smoke run on CPU (the kernels in Triton's interpreter, every
+output checked against its float reference; the tiles each row ran), and its summary."""
+
+import json
+
+import pytest
+
+from fusepass.kernels.policy import GROUPED_ROWS_MAX_M, grouped_tiles
+from tests.support.bench_scripts import load
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load("bench_grouped")
+
+
+def test_smoke_run_checks_every_output_and_names_its_tiles(bench, tmp_path, capsys):
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-grouped.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert {(r["proj"], r["M"], r["impl"]) for r in rows} == {
+        (p, M, f"fusepass {d}") for p in ("gate_up", "down") for M in bench.SMOKE_MS for d in ("int8", "fp8")}
+    assert all(r["rel_err"] < bench.TOL and r["us"] > 0 for r in rows)
+    for r in rows:  # the policy's tiles: the row kernel at decode sizes, blocks above
+        assert r["tiles"] == str(grouped_tiles(r["M"], r["N"], r["K"], r["E"]))
+        assert r["tiles"].startswith("rows" if r["M"] <= GROUPED_ROWS_MAX_M else "blocks")
+    assert "| gate_up | 8 | 96 | 80 | 2 | fusepass int8 |" in capsys.readouterr().out
+
+
+def test_a_wrong_output_is_an_error(bench):
+    with pytest.raises(AssertionError, match="relative error 1 "):
+        bench.check(lambda: __import__("torch").zeros(2, 2), lambda: __import__("torch").ones(2, 2))
+
+
+def test_summary_against_bf16_and_the_fastest_tiles(bench):
+    base = {"proj": "down", "E": 128, "K": 768, "N": 2048, "M": 8}
+    rows = [{**base, "impl": "fusepass int8", "us": 5.0, "TBps": 2.5, "tiles": "rows 32x256 w4"},
+            {**base, "impl": "bf16 torch._grouped_mm", "us": 20.0, "TBps": 1.26, "tiles": None},
+            {**base, "impl": bench.SWEPT + "rows 16x256 w2", "us": 4.0, "TBps": 3.1, "tiles": "rows 16x256 w2"},
+            {**base, "impl": bench.SWEPT + "rows 64x512 w8", "us": 6.0, "TBps": 2.1, "tiles": "rows 64x512 w8"}]
+    assert bench.summarize(rows) == [
+        "down, M=8: int8 5.0 us (2.50 TB/s, 4.00x bf16); fastest tiles rows 16x256 w2 4.0 us"]
