@@ -12,6 +12,8 @@ import copy
 import functools
 import logging
 import os
+import re
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -289,6 +291,61 @@ def save_compressed(model: nn.Module, compressor, path) -> None:
     compressor.remove_decompression_hook(model)
     model.save_pretrained(path)
     compressor.update_config(path)
+
+
+def save_compressed_moe(model: nn.Module, scheme: str, path) -> None:
+    """A compressed-tensors checkpoint of the mixture of experts ``model`` at ``path``, as
+    llm-compressor writes one: each expert's linears apart under the checkpoint's names (as
+    transformers saves them), they and attention's linears quantized and compressed by
+    compressed-tensors (``compressed_tensors``: ``scheme``), the routers, norms, embeddings and
+    lm_head left in the model's dtype and named in ``ignore``."""
+    import json
+    import tempfile
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tensors = {}
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".safetensors"):
+                with safe_open(os.path.join(tmp, name), "pt") as f:
+                    tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        linears = nn.Module()  # the checkpoint's linears, as nn.Linear modules under their own names
+        for key, value in tensors.items():
+            module = key.removesuffix(".weight")
+            if key == module or value.dim() != 2 or _IGNORED.search(module):
+                continue
+            parent = linears
+            for part in module.split(".")[:-1]:
+                if not hasattr(parent, part):
+                    parent.add_module(part, nn.Module())
+                parent = getattr(parent, part)
+            linear = nn.Linear(value.shape[1], value.shape[0], bias=False, dtype=value.dtype)
+            linear.weight.data.copy_(value)
+            parent.add_module(module.rsplit(".", 1)[-1], linear)
+        compressor = compressed_tensors(linears, scheme)
+        quantized = linears.state_dict()
+        kept = {k: v for k, v in tensors.items() if k.removesuffix(".weight") + ".weight_scale" not in quantized}
+        os.makedirs(path, exist_ok=True)
+        for name in os.listdir(tmp):
+            if not name.endswith(".safetensors") and not name.endswith(".index.json"):
+                shutil.copy(os.path.join(tmp, name), path)
+    save_file({k: v.contiguous() for k, v in {**kept, **quantized}.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    compressor.update_config(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["ignore"] = IGNORE_MOE
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+
+
+# What a MoE checkpoint's compressed-tensors config leaves in the model's dtype (as the hub's
+# Qwen3-30B-A3B-FP8-dynamic does): lm_head and the routers (Mixtral's ``block_sparse_moe.gate``).
+IGNORE_MOE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]
+_IGNORED = re.compile(r"(^lm_head$|\.gate$|norm|embed)")
 
 
 def _experts_copy(model: nn.Module, quant: str) -> nn.Module:

@@ -16,7 +16,9 @@ What it converts (the checkpoint's quantized values and scales, never re-quantiz
 formats of ``formats/``, one module each, tried in the order of ``formats.FORMATS``: torchao's
 W8A8 weights, compressed-tensors checkpoints (W8A8, FP8_DYNAMIC, FP8_BLOCK), fusepass's own
 checkpoints, and transformers' own FP8 modules (native FP8's ``FP8Linear``, FBGEMM FP8's
-``FbgemmFp8Linear``). A new format is one more module and one more entry there.
+``FbgemmFp8Linear``). A new format is one more module and one more entry there. A mixture of
+experts' compressed-tensors checkpoint, whose experts transformers loads dequantized, gets its
+experts back from its files as ``W8A8Experts`` (``experts_checkpoint.py``).
 
 Anything else quantized (weight-only, per-group, static or pre-scaled activations, another
 library's type) is left as it is, and the returned ``Preparation`` says why, by module; so is a
@@ -44,11 +46,15 @@ log = logging.getLogger("fusepass.prepare")
 @dataclass
 class Preparation:
     """What ``prepare`` did, by module path: ``converted`` (path -> scheme), ``left``
-    (path -> why not), ``joined`` (the groups of siblings that share one weight buffer)."""
+    (path -> why not), ``joined`` (the groups of siblings that share one weight buffer); of a
+    mixture of experts' quantized checkpoint, ``experts`` (path -> what they became) and
+    ``experts_left`` (path -> why not: ``experts_checkpoint.py``)."""
 
     converted: dict[str, str] = field(default_factory=dict)
     left: dict[str, str] = field(default_factory=dict)
     joined: list[list[str]] = field(default_factory=list)
+    experts: dict[str, str] = field(default_factory=dict)
+    experts_left: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
         n = len(self.converted)
@@ -60,6 +66,11 @@ class Preparation:
                  + (f" ({schemes})" if schemes else "") + f", {len(self.left)} left as they are, "
                  f"{sum(map(len, self.joined))} in {len(self.joined)} shared buffers"]
         lines += [f"  left {path}: {why}" for path, why in self.left.items()]
+        if self.experts or self.experts_left:
+            lines.append(f"  {len(self.experts)} experts modules converted from the checkpoint, "
+                         f"{len(self.experts_left)} left as they are")
+            lines += [f"  experts {path}: {what}" for path, what in self.experts.items()]
+            lines += [f"  left experts {path}: {why}" for path, why in self.experts_left.items()]
         return "\n".join(lines)
 
 
@@ -93,9 +104,15 @@ def replacing_loses(module: nn.Module, new: str, call: str, own_forward: bool = 
                                      ("backward hooks", module._backward_hooks)) if held]
     if hooks:
         return f"it has {' and '.join(hooks)}, which {new} would not run; register them after {call}, on the new module"
-    if "forward" in module.__dict__ and not own_forward:
+    if "forward" in module.__dict__ and not own_forward and not _own_method(module, module.__dict__["forward"]):
         return f"its forward is replaced on the instance (an offload or dispatch hook, a wrapper), which {new} would not run"
     return None
+
+
+def _own_method(module: nn.Module, forward) -> bool:
+    """``forward`` is the class's own forward bound to ``module`` (what transformers' experts
+    set on themselves at their first call): nothing of the module's would be lost."""
+    return getattr(forward, "__func__", None) is type(module).forward and getattr(forward, "__self__", None) is module
 
 
 def _joint(members: list[tuple[str, nn.Linear, Quantized]]) -> Joint:
@@ -124,6 +141,8 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
     runs in eager too, on fusepass's ops. A linear held in several places is converted once
     and replaced in each (alone in its buffer); one whose replacement would change what the
     model does (a subclass, hooks: ``_changed_behaviour``) is left, with the reason."""
+    from .experts_checkpoint import prepare_experts  # (it imports experts.py, which imports this module)
+
     report = Preparation()
     # each linear read once (after a first forward, reading a compressed-tensors weight divides it)
     found_in, formats = {}, defaultdict(list)
@@ -136,6 +155,9 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
     for fmt, modules in formats.items():
         if fmt.finish is not None:
             fmt.finish(model, [m for m in modules if isinstance(found_in[m], str)])
+    # (after the formats' finish, which removes offload wrappers; before ``saved.attach``,
+    # which drops the loading quantizer whose config this reads)
+    report.experts, report.experts_left = prepare_experts(model)
     if found_in.get(model) is not None:
         report.left[ROOT] = (found_in[model] if isinstance(found_in[model], str) else
                              "the model is itself a quantized linear, and prepare replaces a model's linears "
@@ -181,7 +203,11 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
                 report.converted[f"{parent_path}.{name}" if parent_path else name] = converted[child].act.kind
     if report.converted:
         saved.attach(model, report.left)
-    if not report.converted and not report.left:  # (e.g. a native FP8 checkpoint transformers dequantized)
+    if report.experts:
+        from .experts import _refuse_to_save
+
+        model.save_pretrained = _refuse_to_save  # (no checkpoint format holds W8A8Experts yet)
+    if not report.converted and not report.left and not report.experts:  # (e.g. a native FP8 checkpoint transformers dequantized)
         log.warning("fusepass.prepare: found no quantized linear (a native FP8 checkpoint loaded where transformers "
                     "cannot run FP8, on a CPU, is dequantized to bf16 as it loads: docs/PREPARE.md)")
     if report.left:

@@ -32,6 +32,26 @@ def _ct_scheme(module: nn.Module):
     return scheme if type(scheme).__module__.startswith("compressed_tensors") else None
 
 
+def scheme_act(scheme) -> str:
+    """The ``Act`` kind of a compressed-tensors ``QuantizationScheme`` fusepass runs (int8,
+    int8-asym, fp8, fp8-block), or why it runs none."""
+    w, a, name = scheme.weights, scheme.input_activations, _describe_ct(scheme)
+    if w is None or a is None or w.num_bits != 8 or a.num_bits != 8 or w.type != a.type:
+        return f"{name}: not W8A8 (8-bit weights and activations of one type)"
+    if str(w.strategy) == "block":  # DeepSeek-V3's recipe: FP8_BLOCK
+        if (w.type != "float" or list(w.block_structure or ()) != [BLOCK, BLOCK] or str(a.strategy) != "group"
+                or a.group_size != BLOCK or a.dynamic is not True or not (w.symmetric and a.symmetric)):
+            return f"{name}: block-wise only as fp8 128x128 weight blocks with dynamic 1x128 activation groups"
+        return "fp8-block"
+    if str(w.strategy) != "channel" or not w.symmetric:
+        return f"{name}: only symmetric per-channel or 128x128 block weight scales"
+    if str(a.strategy) != "token" or a.dynamic is not True:
+        return f"{name}: only dynamic per-token activations"
+    if w.type == "float":
+        return "fp8" if a.symmetric else f"{name}: fp8 activations with a zero point"
+    return "int8" if a.symmetric else "int8-asym"
+
+
 def _compressed_tensors(linear: nn.Module) -> Quantized | str | None:
     """A compressed-tensors linear's checkpoint values (as ``from_pretrained`` loads them: an
     int8 / fp8 weight and its ``weight_scale``; or after a first forward, the weight
@@ -39,23 +59,13 @@ def _compressed_tensors(linear: nn.Module) -> Quantized | str | None:
     scheme = _ct_scheme(linear)
     if scheme is None or not isinstance(linear, nn.Linear):
         return None
-    w, a, name = scheme.weights, scheme.input_activations, _describe_ct(scheme)
-    if w is None or a is None or w.num_bits != 8 or a.num_bits != 8 or w.type != a.type:
-        return f"{name}: not W8A8 (8-bit weights and activations of one type)"
-    block = str(w.strategy) == "block"
-    if block:  # DeepSeek-V3's recipe: FP8_BLOCK
-        if (w.type != "float" or list(w.block_structure or ()) != [BLOCK, BLOCK] or str(a.strategy) != "group"
-                or a.group_size != BLOCK or a.dynamic is not True or not (w.symmetric and a.symmetric)):
-            return f"{name}: block-wise only as fp8 128x128 weight blocks with dynamic 1x128 activation groups"
-        if linear.weight.shape[0] % BLOCK or linear.weight.shape[1] % BLOCK:
-            return f"{name}: a {tuple(linear.weight.shape)} weight is not whole 128x128 blocks"
-    elif str(w.strategy) != "channel" or not w.symmetric:
-        return f"{name}: only symmetric per-channel or 128x128 block weight scales"
-    elif str(a.strategy) != "token" or a.dynamic is not True:
-        return f"{name}: only dynamic per-token activations"
-    fp8 = w.type == "float"
-    if fp8 and not a.symmetric:
-        return f"{name}: fp8 activations with a zero point"
+    kind = scheme_act(scheme)
+    if kind not in Act.KINDS:
+        return kind
+    block, fp8 = kind == "fp8-block", kind.startswith("fp8")
+    name = _describe_ct(scheme)
+    if block and (linear.weight.shape[0] % BLOCK or linear.weight.shape[1] % BLOCK):
+        return f"{name}: a {tuple(linear.weight.shape)} weight is not whole 128x128 blocks"
     weight, (N, K) = linear.weight.detach(), linear.weight.shape
     scale = linear.weight_scale.detach().float()
     shape = (N // BLOCK, K // BLOCK) if block else (N,)
@@ -70,7 +80,6 @@ def _compressed_tensors(linear: nn.Module) -> Quantized | str | None:
         if not torch.equal((q.float() * spread).to(weight.dtype), weight):
             return f"{name}: a {weight.dtype} weight that is not {target} values times weight_scale"
         weight = q
-    kind = "fp8-block" if block else "fp8" if fp8 else "int8" if a.symmetric else "int8-asym"
     return Quantized(weight, scale, Act(kind))
 
 

@@ -1,0 +1,113 @@
+"""``fusepass.prepare`` of a compressed-tensors FP8_DYNAMIC mixture-of-experts checkpoint (Qwen3-MoE,
+Mixtral, OLMoE, tiny), written as llm-compressor writes one (``demo.models.save_compressed_moe``:
+compressed-tensors quantizes and compresses each expert's linears) and loaded by
+``from_pretrained``, which dequantizes the experts to bf16: prepare reads the checkpoint's values
+back, bit for bit, runs them on ``fusepass.scaled_grouped_mm``, and leaves what it cannot read
+or what changed since loading, saying why."""
+
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import fusepass
+from fusepass.demo.models import save_compressed_moe
+from fusepass.integrations.experts import W8A8Experts
+from tests.integrations.test_experts import ARCHS, _routed_inputs, _simulated, moe_model
+
+# the checkpoint's names of an expert's gate, up and down linears, by architecture
+NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"), "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+         "mixtral": ("mlp", "w1", "w3", "w2")}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    paths = {}
+    for arch in ARCHS:
+        paths[arch] = tmp_path_factory.mktemp(arch)
+        save_compressed_moe(moe_model(arch), "FP8_DYNAMIC", paths[arch])
+    return paths
+
+
+def _load(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+
+def _stored(path, arch, layer):
+    """The checkpoint's gate/up and down of ``layer``: values and scales as stored."""
+    _, gate, up, down = NAMES[arch]
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = [k for k in f.keys() if f"layers.{layer}." in k and ".experts." in k]
+        E = len({k.split(".experts.")[1].split(".")[0] for k in keys})
+        prefix = keys[0].split(".experts.")[0] + ".experts"
+
+        def stack(proj, what):
+            return torch.stack([f.get_tensor(f"{prefix}.{e}.{proj}.{what}") for e in range(E)])
+
+        gate_up = torch.cat([stack(gate, "weight"), stack(up, "weight")], 1)
+        gate_up_scale = torch.cat([stack(gate, "weight_scale"), stack(up, "weight_scale")], 1).float().squeeze(-1)
+        return gate_up, gate_up_scale, stack(down, "weight"), stack(down, "weight_scale").float().squeeze(-1)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_experts_run_the_checkpoints_values(arch, checkpoints):
+    model = _load(checkpoints[arch])
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.float()  # (a first forward: transformers' experts set their forward on themselves)
+        report = fusepass.prepare(model)
+        out = model(ids).logits.float()
+    names = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    assert report.experts == {n: "experts fp8" for n in names} and not report.experts_left
+    assert len(report.converted) == 8 and not report.left  # (attention's linears, as before)
+    assert "2 experts modules converted from the checkpoint, 0 left as they are" in str(report)
+    for layer, name in enumerate(names):
+        module = model.get_submodule(name)
+        assert isinstance(module, W8A8Experts) and module.act.kind == "fp8"
+        for got, want in zip((module.gate_up, module.gate_up_scale, module.down, module.down_scale),
+                             _stored(checkpoints[arch], arch, layer)):
+            assert got.dtype == want.dtype and torch.equal(got, want)  # bit for bit
+    x, index, weights = _routed_inputs(5, 128, module.num_experts, 2, seed=1)
+    with torch.no_grad():
+        got = module(x, index, weights)
+    want = _simulated(module, x, index, weights)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+    # fp8 activations through two random layers (attention's too), routing flips included: 17-33% here
+    assert torch.isfinite(out).all() and ((out - ref).norm() / ref.norm()).item() < 0.5
+
+
+def test_weights_changed_since_loading_are_left_with_the_reason(checkpoints):
+    model = _load(checkpoints["qwen3_moe"])
+    with torch.no_grad():
+        model.model.layers[1].mlp.experts.down_proj[3, 5, 7] += 1.0
+    report = fusepass.prepare(model)
+    assert list(report.experts) == ["model.layers.0.mlp.experts"]
+    assert report.experts_left == {"model.layers.1.mlp.experts": (
+        "its weights are not the checkpoint's values times their scales (changed since loading?): prepare keeps the "
+        "checkpoint's values, and would undo the change")}
+    assert type(model.model.layers[1].mlp.experts).__name__ == "Qwen3MoeExperts"
+
+
+def test_a_checkpoint_no_longer_on_disk_is_left_with_the_reason(checkpoints, tmp_path):
+    path = tmp_path / "moved"
+    shutil.copytree(checkpoints["olmoe"], path)
+    model = _load(path)
+    shutil.rmtree(path)
+    report = fusepass.prepare(model)
+    assert not report.experts and set(report.experts_left) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert all(why.startswith("its checkpoint's files are not on this machine") for why in report.experts_left.values())
+
+
+def test_save_pretrained_of_converted_experts_is_refused(checkpoints, tmp_path):
+    model = _load(checkpoints["mixtral"])
+    fusepass.prepare(model)
+    with pytest.raises(NotImplementedError, match="no checkpoint format holds W8A8Experts yet"):
+        model.save_pretrained(tmp_path / "out")
+
+
+def test_a_bf16_moe_model_has_no_experts_to_read():
+    report = fusepass.prepare(moe_model("qwen3_moe"))
+    assert not report.experts and not report.experts_left and "experts" not in str(report)
