@@ -6,7 +6,8 @@ top_k_weights [T, k])`` (Qwen3-MoE, Mixtral, OLMoE, ...). ``W8A8Experts`` takes 
 token's row quantized per token (the module's ``Act``), its k routed rows through the gate/up
 weights of their experts (one grouped launch), ``act(gate) * up`` quantized per row, then the down
 weights with each row's routing weight in the epilogue (a second launch), and the k rows of a
-token added in fp32. The weights are the experts' own, quantized per output channel.
+token added in fp32. The weights are the experts' own, quantized per output channel, or, from
+a native FP8 checkpoint (``fp8_experts``), per 128x128 block with activations per 1x128 group.
 
 ``quantize_experts(model, "int8" | "fp8")`` is the one call that turns a float MoE model's experts
 into these (fusepass's own per-channel recipe; torchao has none for 3-D expert weights): what it
@@ -41,7 +42,9 @@ def quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Ten
 
 class W8A8Experts(nn.Module):
     """The experts of one MoE layer in int8 / fp8 (module docstring). Buffers: ``gate_up`` [E, 2I, H],
-    ``gate_up_scale`` [E, 2I], ``down`` [E, H, I], ``down_scale`` [E, H] (fp32)."""
+    ``gate_up_scale`` [E, 2I], ``down`` [E, H, I], ``down_scale`` [E, H] (fp32); or, with the
+    ``fp8-block`` act (transformers' native FP8 experts), the scales one per 128x128 block,
+    [E, 2I / 128, H / 128] and [E, H / 128, I / 128], as the checkpoint stores them."""
 
     def __init__(self, gate_up, gate_up_scale, down, down_scale, act: Act, act_fn):
         super().__init__()
@@ -67,17 +70,53 @@ class W8A8Experts(nn.Module):
         q, scale, _ = quantize_input(hidden_states, act)
         rows = torch.arange(T, device=q.device).repeat_interleave(k)  # each token's k routed rows
         ids = top_k_index.reshape(-1)
-        h = scaled_grouped_mm(q[rows], self.gate_up.transpose(1, 2), scale[rows], self.gate_up_scale, ids,
+        h = scaled_grouped_mm(q[rows], self.gate_up.transpose(1, 2), scale[rows], _op_scale(self.gate_up_scale), ids,
                               hidden_states.dtype)
         gate, up = h.chunk(2, dim=-1)
         q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)
-        y = scaled_grouped_mm(q2, self.down.transpose(1, 2), scale2, self.down_scale, ids, torch.float32,
+        y = scaled_grouped_mm(q2, self.down.transpose(1, 2), scale2, _op_scale(self.down_scale), ids, torch.float32,
                               row_weights=top_k_weights.reshape(-1))
         return y.view(T, k, self.hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
                 f"act={self.act.kind}")
+
+
+def _op_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A weight scale as the op takes it: per channel as stored; block scales [E, N/128, K/128]
+    as their [E, K/128, N/128] transpose (the weights' own)."""
+    return scale.transpose(1, 2) if scale.dim() == 3 else scale
+
+
+def fp8_experts(module: nn.Module) -> "W8A8Experts | str | None":
+    """transformers' native FP8 experts (``FP8Experts``: fp8 [E, N, K] weights, fp32
+    ``*_scale_inv`` per 128x128 block, activations quantized per 1x128 group as they run) as a
+    ``W8A8Experts`` of the same values, or why not; None for another module."""
+    if type(module).__name__ != "FP8Experts" or not type(module).__module__.startswith("transformers."):
+        return None
+    lost = replacing_loses(module, "W8A8Experts", "prepare")
+    if lost is not None:
+        return lost
+    wanted = {"has_gate": True, "has_bias": False, "activation_scheme": "dynamic", "swiglu_limit": None,
+              "gate_softcap": None, "up_softcap": None}
+    unsupported = [f"{flag}={getattr(module, flag)!r}" for flag, value in wanted.items()
+                   if getattr(module, flag, value) != value]
+    if tuple(getattr(module, "block_size", None) or ()) != (128, 128):
+        unsupported.append(f"block_size={getattr(module, 'block_size', None)!r}")
+    if unsupported:
+        return (f"FP8Experts with {', '.join(unsupported)}: W8A8Experts runs gated experts with dynamic activations "
+                "and 128x128 block scales, act(gate) * up")
+    weights = (module.gate_up_proj, module.gate_up_proj_scale_inv, module.down_proj, module.down_proj_scale_inv)
+    for name, w in (("gate_up_proj", weights[0]), ("down_proj", weights[2])):
+        if w.dtype != torch.float8_e4m3fn:
+            return f"FP8Experts {name} of {w.dtype}: float8_e4m3fn weights only"
+    for w, s in (weights[:2], weights[2:]):
+        blocks = (w.shape[0], -(-w.shape[1] // 128), -(-w.shape[2] // 128))
+        if s.dtype != torch.float32 or tuple(s.shape) != blocks:
+            return (f"FP8Experts scales of {s.dtype} {tuple(s.shape)} for a {tuple(w.shape)} weight: fp32, one per "
+                    f"128x128 block ({list(blocks)}) only")
+    return W8A8Experts(*(t.detach() for t in weights), Act("fp8-block"), module.act_fn)
 
 
 def _refusal(module: nn.Module) -> str | None:

@@ -19,7 +19,7 @@ import re
 import torch
 from torch import nn
 
-from .experts import W8A8Experts, _refusal, is_experts
+from .experts import W8A8Experts, _refusal, fp8_experts, is_experts
 from .formats.compressed_tensors import scheme_act
 from .linear import Act
 
@@ -161,10 +161,18 @@ def read_experts(model: nn.Module, name: str, module: nn.Module, config, checkpo
 
 
 def prepare_experts(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
-    """Replace, in place, the experts of a compressed-tensors checkpoint's model by
-    ``W8A8Experts`` of the checkpoint's values (module docstring). Returns ({path: what it
-    became}, {path: why left}); both empty for a model of no such checkpoint."""
+    """Replace, in place, transformers' native FP8 experts (``experts.fp8_experts``) and the
+    experts of a compressed-tensors checkpoint's model (module docstring) by ``W8A8Experts`` of
+    the checkpoint's values. Returns ({path: what it became}, {path: why left}); both empty for
+    a model with neither."""
     converted, left = {}, {}
+    for name, module in list(model.named_modules()):  # transformers' native FP8 experts: the values in memory
+        new = fp8_experts(module)
+        if isinstance(new, W8A8Experts):
+            _replace(model, name, new)
+            converted[name] = f"experts {new.act.kind}"
+        elif new is not None:
+            left[name] = new
     config = ct_config(model)
     experts = [(n, m) for n, m in model.named_modules() if is_experts(m)] if config is not None else []
     if not experts:
@@ -179,7 +187,11 @@ def prepare_experts(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
         if isinstance(new, str):
             left[name] = new
             continue
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, new)
+        _replace(model, name, new)
         converted[name] = f"experts {new.act.kind}"
     return converted, left
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)

@@ -67,8 +67,7 @@ class Preparation:
                  f"{sum(map(len, self.joined))} in {len(self.joined)} shared buffers"]
         lines += [f"  left {path}: {why}" for path, why in self.left.items()]
         if self.experts or self.experts_left:
-            lines.append(f"  {len(self.experts)} experts modules converted from the checkpoint, "
-                         f"{len(self.experts_left)} left as they are")
+            lines.append(f"  {len(self.experts)} experts modules converted, {len(self.experts_left)} left as they are")
             lines += [f"  experts {path}: {what}" for path, what in self.experts.items()]
             lines += [f"  left experts {path}: {why}" for path, why in self.experts_left.items()]
         return "\n".join(lines)

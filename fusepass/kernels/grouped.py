@@ -13,7 +13,10 @@ Two kernels, chosen by ``grouped_launch.py``:
   a block list of fixed length), a program a block and ``BLOCK_N`` columns; the rows are
   gathered as they load and scattered as they store, so nothing is copied around the launch.
 
-int8 sums in int32 (exact), fp8 in fp32; the epilogue in fp32, one rounding. A row whose expert
+int8 sums in int32 (exact), fp8 in fp32; the epilogue in fp32, one rounding. With block scales
+(``BLOCK_SCALES``: fp8, one scale per 1x128 group of a row and per 128x128 block of an expert)
+each BLOCK_K slice (which divides 128) is summed apart, scaled by its group's scales and added
+to the fp32 accumulator, and the epilogue only adds and weighs. A row whose expert
 id is outside [0, E) is stored as NaN: its block's expert is E (``route``), or the gemv program
 sees it.
 """
@@ -29,23 +32,36 @@ from .scaled_mm import mma
 @triton.jit
 def _epilogue(acc, rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
               SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_ROW_WEIGHTS: tl.constexpr):
-    """acc [R, C] of rows ``rows`` and columns ``cols`` (in range) of expert ``e``: fp32, scaled,
-    biased and weighted, before the one rounding."""
-    if SCALE_A_PER_ROW:
+              HAS_ROW_WEIGHTS: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+    """acc [R, C] of rows ``rows`` and columns ``cols`` (in range) of expert ``e``: fp32, scaled
+    (unless ``BLOCK_SCALES``: already), biased and weighted, before the one rounding."""
+    if BLOCK_SCALES:
+        x = acc
+    elif SCALE_A_PER_ROW:
         sa = tl.load(scale_a_ptr + rows).to(tl.float32)
     else:
         sa = tl.load(scale_a_ptr + rows * 0).to(tl.float32)
-    if SCALE_B_PER_CHANNEL:
-        sb = tl.load(scale_b_ptr + e * stride_sbe + cols, mask=cols < N, other=0.0).to(tl.float32)
-    else:
-        sb = tl.load(scale_b_ptr + e * stride_sbe + cols * 0).to(tl.float32)
-    x = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
+    if not BLOCK_SCALES:
+        if SCALE_B_PER_CHANNEL:
+            sb = tl.load(scale_b_ptr + e * stride_sbe + cols, mask=cols < N, other=0.0).to(tl.float32)
+        else:
+            sb = tl.load(scale_b_ptr + e * stride_sbe + cols * 0).to(tl.float32)
+        x = acc.to(tl.float32) * (sa[:, None] * sb[None, :])
     if HAS_BIAS:
         x += tl.load(bias_ptr + e * stride_biase + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
     if HAS_ROW_WEIGHTS:
         x *= tl.load(w_ptr + rows).to(tl.float32)[:, None]
     return x
+
+
+@triton.jit
+def _block_scales(rows, cols, e, k0, scale_a_ptr, scale_b_ptr, stride_sam, stride_sag, stride_sbe, stride_sbg,
+                  stride_sbn, N):
+    """[R, C]: the scales of rows ``rows`` and columns ``cols`` for the 128-wide K group of ``k0``."""
+    g = k0 // 128
+    sa = tl.load(scale_a_ptr + rows * stride_sam + g * stride_sag)
+    sb = tl.load(scale_b_ptr + e * stride_sbe + g * stride_sbg + (cols // 128) * stride_sbn, mask=cols < N, other=0.0)
+    return sa[:, None] * sb[None, :]
 
 
 @triton.jit
@@ -55,8 +71,9 @@ def grouped_gemv_kernel(
     ids_ptr,  # (M,) the rows' experts
     M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_sbe, stride_biase,
+    stride_sam, stride_sag, stride_sbg, stride_sbn,  # block scales: scale_a (M, groups), scale_b (E, groups, blocks)
     SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_ROW_WEIGHTS: tl.constexpr,
+    HAS_ROW_WEIGHTS: tl.constexpr, BLOCK_SCALES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
@@ -75,11 +92,15 @@ def grouped_gemv_kernel(
         w = tl.load(b_cols + ks[:, None] * stride_bk, mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
         if a_ptr.dtype.element_ty == tl.int8:
             acc += tl.sum(x.to(tl.int32)[:, None] * w.to(tl.int32), axis=0)
+        elif BLOCK_SCALES:
+            s = _block_scales(m + tl.zeros((1,), dtype=tl.int64), cols, e, k0, scale_a_ptr, scale_b_ptr, stride_sam,
+                              stride_sag, stride_sbe, stride_sbg, stride_sbn, N)
+            acc += tl.sum(x.to(tl.float32)[:, None] * w.to(tl.float32), axis=0) * tl.reshape(s, (BLOCK_N,))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)
     rows = m + tl.zeros((1,), dtype=tl.int64)
     y = _epilogue(acc[None, :], rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
-                  SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS)
+                  SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS, BLOCK_SCALES)
     y = tl.where(valid, y, float("nan"))
     tl.store(out_ptr + m * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
 
@@ -92,8 +113,9 @@ def grouped_mm_kernel(
     block_experts_ptr,  # (BLOCKS,) each block's expert: < E, E (rows with no valid expert: NaN), > E (none)
     M, N, K, E,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_sbe, stride_biase,
+    stride_sam, stride_sag, stride_sbg, stride_sbn,  # block scales: scale_a (M, groups), scale_b (E, groups, blocks)
     SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_ROW_WEIGHTS: tl.constexpr,
+    HAS_ROW_WEIGHTS: tl.constexpr, BLOCK_SCALES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_b = tl.program_id(0).to(tl.int64)
@@ -118,7 +140,12 @@ def grouped_mm_kernel(
                 ks = k0 + tl.arange(0, BLOCK_K)
                 x = tl.load(a_rows + ks[None, :] * stride_ak, mask=ks[None, :] < K, other=0.0)
                 w = tl.load(b_cols + ks[:, None] * stride_bk, mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
-                acc = mma(x, w, acc, BLOCK_K)
+                if BLOCK_SCALES:
+                    part = tl.dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), max_num_imprecise_acc=BLOCK_K)
+                    acc += part * _block_scales(rows, cols, e, k0, scale_a_ptr, scale_b_ptr, stride_sam, stride_sag,
+                                                stride_sbe, stride_sbg, stride_sbn, N)
+                else:
+                    acc = mma(x, w, acc, BLOCK_K)
             y = _epilogue(acc, rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
-                          SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS)
+                          SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS, BLOCK_SCALES)
             tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)

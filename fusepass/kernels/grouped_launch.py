@@ -8,10 +8,13 @@ eagerly through ``direct.launcher``, traced as a ``wrap_triton`` node Inductor l
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .blockwise import BLOCK
 from .direct import launcher
 from .grouped import grouped_gemv_kernel, grouped_mm_kernel
 from .launch import INTERPRETED, on_device, traced
@@ -51,15 +54,22 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     fake = traced(a)
     if statically_known_true(M == 0) or statically_known_true(N == 0) or (INTERPRETED and fake):
         return out
-    sb = scale_b.reshape(E, -1)
-    sa, w = scale_a.reshape(-1), None if row_weights is None else row_weights.reshape(-1)
+    blocks = scale_b.dim() == 3  # (fp8 with 128x128 block scales: ops.grouped)
+    w = None if row_weights is None else row_weights.reshape(-1)
+    if blocks:
+        sa, sb = scale_a, scale_b
+        block_strides = (sa.stride(0), sa.stride(1), sb.stride(1), sb.stride(2))
+    else:
+        sa, sb, block_strides = scale_a.reshape(-1), scale_b.reshape(E, -1), (0, 0, 0, 0)
     args = (a, b, out, sa, sb, bias, w)
     sizes = (M, N, K, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), sb.stride(0),
-             0 if bias is None else bias.stride(0))
-    flags = dict(SCALE_A_PER_ROW=sa.numel() != 1 or M == 1, SCALE_B_PER_CHANNEL=sb.shape[1] != 1 or N == 1,
-                 HAS_BIAS=bias is not None, HAS_ROW_WEIGHTS=w is not None)
-
+             0 if bias is None else bias.stride(0), *block_strides)
+    flags = dict(SCALE_A_PER_ROW=blocks or sa.numel() != 1 or M == 1,
+                 SCALE_B_PER_CHANNEL=blocks or sb.shape[1] != 1 or N == 1,
+                 HAS_BIAS=bias is not None, HAS_ROW_WEIGHTS=w is not None, BLOCK_SCALES=blocks)
     t = tiles or grouped_tiles(M, N, K, E)
+    if blocks and t.block_k > BLOCK:  # (a K slice within one group of the scales)
+        t = replace(t, block_k=BLOCK)
     tiling = dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
 
     def launch():

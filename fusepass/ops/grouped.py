@@ -16,6 +16,10 @@ Arguments:
   stored [E, N, K] weights);
 - ``scale_a``: fp32 (or bf16 / fp16, widened exactly), one value or one per row ([M] / [M, 1]);
 - ``scale_b``: fp32 (or bf16 / fp16), per expert and channel [E, N], or one per expert [E] / [E, 1];
+- or, for fp8 with DeepSeek-V3's blocks (transformers' native FP8 experts), fp32 ``scale_a``
+  [M, ceil(K/128)] (one per 1x128 group of a row) and ``scale_b`` [E, ceil(K/128), ceil(N/128)]
+  (one per 128x128 block of each expert, any strides: the stored [E, N/128, K/128]'s transpose),
+  each group's product scaled as it is summed (``scaled_mm_blockwise``'s recipe);
 - ``expert_ids``: [M] int32 or int64, each row's expert;
 - ``out_dtype``: bfloat16, float16 or float32;
 - ``bias``: None or [E, N] of an output dtype;
@@ -36,6 +40,7 @@ from typing import Optional
 
 import torch
 
+from ..kernels.blockwise import BLOCK
 from ..kernels.grouped_launch import launch_scaled_grouped_mm
 from . import reference
 from .checks import (
@@ -49,11 +54,8 @@ OP = "fusepass.scaled_grouped_mm"
 ID_DTYPES = (torch.int32, torch.int64)
 
 
-def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights) -> None:
-    """Validate the arguments (module docstring); errors name the argument."""
-    M, K, N = check_operands(OP, a, b, INPUT_DTYPES, experts=True)
-    E = b.shape[0]
-    check_out_dtype(OP, out_dtype)
+def _check_scales(scale_a, scale_b, M, N, E) -> None:
+    """Per-row (or one) activation scales; per expert and channel (or one per expert) weight scales."""
     check_tensor(OP, "scale_a", scale_a, SCALE_DTYPES)
     if not ((scale_a.numel() == 1 and scale_a.dim() <= 2) or is_vector_of(scale_a, M, 0)):
         raise ValueError(f"{OP}: `scale_a` must hold one value or one per row of `a` (M = {M}): numel 1, "
@@ -62,6 +64,31 @@ def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_
     if tuple(scale_b.shape) not in ((E, N), (E,), (E, 1)):
         raise ValueError(f"{OP}: `scale_b` must be per expert and channel [E, N] = [{E}, {N}], or one per "
                          f"expert [{E}] or [{E}, 1]; got {describe(scale_b)}")
+
+
+def _check_block_scales(a, scale_a, scale_b, M, K, N, E) -> None:
+    """fp8 with DeepSeek-V3's blocks: ``scale_a`` [M, ceil(K/128)], ``scale_b`` [E, ceil(K/128), ceil(N/128)], fp32."""
+    groups, blocks = -(-K // BLOCK), -(-N // BLOCK)
+    if a.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{OP}: 128x128 block scales (a 3-D `scale_b`) are for float8_e4m3fn operands; got `a` of "
+                         f"{a.dtype}")
+    for name, t, shape in (("scale_a", scale_a, (M, groups)), ("scale_b", scale_b, (E, groups, blocks))):
+        check_tensor(OP, name, t, (torch.float32,))
+        if tuple(t.shape) != shape:
+            what = "one per 1x128 group of a row" if name == "scale_a" else "one per 128x128 block of each expert"
+            raise ValueError(f"{OP}: with block scales `{name}` must be {list(shape)} ({what}, K = {K}, N = {N}); "
+                             f"got {describe(t)}")
+
+
+def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights) -> None:
+    """Validate the arguments (module docstring); errors name the argument."""
+    M, K, N = check_operands(OP, a, b, INPUT_DTYPES, experts=True)
+    E = b.shape[0]
+    check_out_dtype(OP, out_dtype)
+    if scale_b.dim() == 3:
+        _check_block_scales(a, scale_a, scale_b, M, K, N, E)
+    else:
+        _check_scales(scale_a, scale_b, M, N, E)
     check_tensor(OP, "expert_ids", expert_ids, ID_DTYPES)
     if tuple(expert_ids.shape) != (M,):
         raise ValueError(f"{OP}: `expert_ids` must be [M] with M = {M} (one expert a row of `a`); "

@@ -114,16 +114,21 @@ def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None):
 
 def scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None):
     """Each row's product with its expert's weight, in the accumulator dtype, then the epilogue
-    of its expert's scales and bias and its row weight in fp32, one rounding; a row whose expert
+    of its expert's scales and bias and its row weight in fp32, one rounding (block scales: each
+    1x128 group's product scaled in fp32 as it is summed, as ``scaled_mm_blockwise``'s); a row whose expert
     id is outside [0, E) is NaN. Every row's product with each expert in turn, kept where the row
     is that expert's: exact sums, and no data-dependent shape (a compiled CPU graph traces this)."""
     M, N, E = a.shape[0], b.shape[2], b.shape[0]
     x = torch.full((M, N), float("nan"), dtype=torch.float32, device=a.device)
-    sa = scale_a.to(torch.float32).reshape(-1, 1)
-    sb = scale_b.to(torch.float32).reshape(E, -1)
+    blocks = scale_b.dim() == 3  # (per 1x128 group of a row, per 128x128 block of an expert)
+    sa = scale_a.to(torch.float32).reshape(M, -1) if blocks else scale_a.to(torch.float32).reshape(-1, 1)
+    sb = scale_b.to(torch.float32) if blocks else scale_b.to(torch.float32).reshape(E, -1)
     ids = expert_ids.reshape(-1, 1)
     for e in range(E):
-        y = accumulate(a, b[e]).to(torch.float32) * (sa * sb[e].reshape(1, -1))
+        if blocks:
+            y = accumulate_blockwise(a, b[e], sa, sb[e])
+        else:
+            y = accumulate(a, b[e]).to(torch.float32) * (sa * sb[e].reshape(1, -1))
         if bias is not None:
             y = y + bias[e].to(torch.float32)
         x = torch.where(ids == e, y, x)

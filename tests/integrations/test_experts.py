@@ -18,17 +18,20 @@ COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_a
               vocab_size=256, max_position_embeddings=64)
 
 
-def moe_model(arch: str, seed: int = 0):
+def moe_model(arch: str, seed: int = 0, blocks: bool = False):
+    """A tiny MoE model of transformers' ``arch``; ``blocks``: every linear and expert whole 128x128
+    blocks (hidden 256, head_dim 128, expert width 128 or 256), as native FP8's block scales need."""
     import transformers
 
     torch.manual_seed(seed)
+    sizes = {**COMMON, **(dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1) if blocks else {})}
     if arch == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**COMMON, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
-                                             head_dim=32)
+        config = transformers.Qwen3MoeConfig(**sizes, moe_intermediate_size=128 if blocks else 64, num_experts=16,
+                                             num_experts_per_tok=4, head_dim=128 if blocks else 32)
     elif arch == "mixtral":
-        config = transformers.MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2)
+        config = transformers.MixtralConfig(**sizes, num_local_experts=8, num_experts_per_tok=2)
     else:
-        config = transformers.OlmoeConfig(**COMMON, num_experts=16, num_experts_per_tok=4, eos_token_id=None)
+        config = transformers.OlmoeConfig(**sizes, num_experts=16, num_experts_per_tok=4, eos_token_id=None)
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     for m in model.modules():  # a trained model's scale: unit-variance activations through each expert
         for name in ("gate_up_proj", "down_proj"):
@@ -58,20 +61,33 @@ def test_every_experts_module_is_converted_and_the_logits_stay_near_bf16(arch):
     assert ((out - ref).norm() / ref.norm()).item() < 0.5
 
 
+def _dequantized(q: torch.Tensor, scale: torch.Tensor, blocks: bool) -> torch.Tensor:
+    """Values times their scales in float64: experts' [E, N, K] per row ([E, N]) or per 128x128
+    block ([E, N/128, K/128]); rows [T, K] per row ([T, 1]) or per 1x128 group ([T, K/128])."""
+    s = scale.double()
+    if blocks:
+        if q.dim() == 3:
+            s = s.repeat_interleave(128, 1)[:, : q.shape[1]]
+        return q.double() * s.repeat_interleave(128, -1)[..., : q.shape[-1]]
+    return q.double() * (s[..., None] if q.dim() == 3 else s.reshape(q.shape[0], 1))
+
+
 def _simulated(module: W8A8Experts, x, index, weights):
     """The module's output in float64 from its own quantized values: each routed row's dequantized
     product, the gated row (bf16, as the op returns it) quantized again, weighted and added."""
     act = module.act
+    blocks = act.kind == "fp8-block"
     qa, sa, _ = quantize_input(x, act)
+    gate_up = _dequantized(module.gate_up, module.gate_up_scale, blocks)
+    down = _dequantized(module.down, module.down_scale, blocks)
     out = torch.zeros(x.shape[0], module.hidden_dim, dtype=torch.float64)
     for t in range(x.shape[0]):
         for j in range(index.shape[1]):
             e = int(index[t, j])
-            gu = ((qa[t].double() * sa[t].double()) @ (module.gate_up[e].double() * module.gate_up_scale[e].double()[:, None]).t())
+            gu = _dequantized(qa[t:t + 1], sa[t:t + 1], blocks)[0] @ gate_up[e].t()
             g, u = gu.to(x.dtype).chunk(2)
             qh, sh, _ = quantize_input(module.act_fn(g)[None] * u[None], act)
-            d = (qh[0].double() * sh[0].double()) @ (module.down[e].double() * module.down_scale[e].double()[:, None]).t()
-            out[t] += d * weights[t, j].double()
+            out[t] += (_dequantized(qh, sh, blocks)[0] @ down[e].t()) * weights[t, j].double()
     return out
 
 

@@ -30,10 +30,10 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def _load(path):
+def _load(path, **kwargs):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kwargs).eval()
 
 
 def _stored(path, arch, layer):
@@ -63,7 +63,7 @@ def test_the_experts_run_the_checkpoints_values(arch, checkpoints):
     names = [f"model.layers.{i}.mlp.experts" for i in range(2)]
     assert report.experts == {n: "experts fp8" for n in names} and not report.experts_left
     assert len(report.converted) == 8 and not report.left  # (attention's linears, as before)
-    assert "2 experts modules converted from the checkpoint, 0 left as they are" in str(report)
+    assert "2 experts modules converted, 0 left as they are" in str(report)
     for layer, name in enumerate(names):
         module = model.get_submodule(name)
         assert isinstance(module, W8A8Experts) and module.act.kind == "fp8"
@@ -111,3 +111,98 @@ def test_save_pretrained_of_converted_experts_is_refused(checkpoints, tmp_path):
 def test_a_bf16_moe_model_has_no_experts_to_read():
     report = fusepass.prepare(moe_model("qwen3_moe"))
     assert not report.experts and not report.experts_left and "experts" not in str(report)
+
+
+# transformers' native FP8 MoE checkpoints (Qwen3-30B-A3B-FP8's format: FP8Experts, 128x128 blocks):
+# the tiny model saved in bf16, loaded with FineGrainedFP8Config (transformers quantizes it), saved
+# again, loaded back; on a CPU the FP8 quantizer's GPU gate is skipped, in these tests only
+# (tests/support/fp8_checkpoints.py).
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    """arch -> (the native FP8 checkpoint, the bf16 model's directory)."""
+    paths = {}
+    for arch in ARCHS:
+        root = tmp_path_factory.mktemp(f"native-{arch}")
+        moe_model(arch, blocks=True).save_pretrained(root / "bf16")
+        _quantized_by_transformers(root / "bf16").save_pretrained(root / "fp8")
+        paths[arch] = root / "fp8", root / "bf16"
+    return paths
+
+
+def _quantized_by_transformers(path):
+    from transformers import FineGrainedFP8Config
+
+    from tests.support.fp8_checkpoints import gpu_gate_skipped
+
+    with gpu_gate_skipped():
+        return _load(path, quantization_config=FineGrainedFP8Config(weight_block_size=(128, 128)))
+
+
+def _load_native(path):
+    from tests.support.fp8_checkpoints import gpu_gate_skipped
+
+    with gpu_gate_skipped():
+        return _load(path)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_fp8_experts_run_their_values(arch, native):
+    model = _load_native(native[arch][0])
+    names = [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    stored = {n: [p.detach().clone() for p in model.get_submodule(n).parameters()] for n in names}
+    assert all(type(model.get_submodule(n)).__name__ == "FP8Experts" for n in names)
+    report = fusepass.prepare(model)
+    assert report.experts == {n: "experts fp8-block" for n in names} and not report.experts_left
+    assert len(report.converted) == 8 and not report.left
+    for name in names:
+        module = model.get_submodule(name)
+        assert isinstance(module, W8A8Experts) and module.act.kind == "fp8-block"
+        for got, want in zip((module.gate_up, module.gate_up_scale, module.down, module.down_scale), stored[name]):
+            assert got.dtype == want.dtype and torch.equal(got, want)  # bit for bit
+    x, index, weights = _routed_inputs(5, 256, module.num_experts, 2, seed=2)
+    with torch.no_grad():
+        got = module(x, index, weights)
+    want = _simulated(module, x, index, weights)
+    assert ((got.double() - want).norm() / want.norm()).item() < 1e-2
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # (transformers' own forward needs a downloaded kernel: the bf16 model is the reference)
+        out, ref = model(ids).logits.float(), _load(native[arch][1])(ids).logits.float()
+    # fp8 block weights and activations through two random layers, routing flips included: 12-35% here
+    assert torch.isfinite(out).all() and ((out - ref).norm() / ref.norm()).item() < 0.5
+
+
+def test_native_fp8_experts_in_part_bf16_are_left_with_the_reason(tmp_path):
+    # Qwen3-MoE with experts 64 wide: transformers leaves down_proj (K = 64) in bf16
+    moe_model("qwen3_moe").save_pretrained(tmp_path)
+    model = _quantized_by_transformers(tmp_path)
+    report = fusepass.prepare(model)
+    assert not report.experts and set(report.experts_left) == {f"model.layers.{i}.mlp.experts" for i in range(2)}
+    assert report.experts_left["model.layers.0.mlp.experts"] == (
+        "FP8Experts down_proj of torch.bfloat16: float8_e4m3fn weights only")
+
+
+def test_native_fp8_experts_with_other_scales_are_left_with_the_reason(native):
+    model = _load_native(native["mixtral"][0])
+    experts = model.model.layers[1].mlp.experts
+    experts.down_proj_scale_inv = torch.nn.Parameter(experts.down_proj_scale_inv.data[:, :1], requires_grad=False)
+    model.model.layers[0].mlp.experts.activation_scheme = "static"
+    report = fusepass.prepare(model)
+    assert report.experts_left == {
+        "model.layers.0.mlp.experts": "FP8Experts with activation_scheme='static': W8A8Experts runs gated experts "
+                                      "with dynamic activations and 128x128 block scales, act(gate) * up",
+        "model.layers.1.mlp.experts": "FP8Experts scales of torch.float32 (8, 1, 2) for a (8, 256, 256) weight: fp32, "
+                                      "one per 128x128 block ([8, 2, 2]) only"}
+
+
+def test_native_fp8_experts_compiled_with_fusepass_as_eager(native):
+    model = _load_native(native["olmoe"][0])
+    fusepass.prepare(model)
+    module = model.model.layers[0].mlp.experts
+    inputs = _routed_inputs(3, 256, module.num_experts, 4, seed=3)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = module(*inputs)
+        got = torch.compile(module, backend="fusepass", dynamic=False, fullgraph=True)(*inputs)
+    assert ((got.double() - want.double()).norm() / want.double().norm()).item() < 1e-2

@@ -78,3 +78,12 @@ def test_the_tiles_by_rows_and_rows_an_expert():
     assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E, N, K, E)) == "blocks 16x128x256 w8 s3"
     assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E + 1, N, K, E)) == "blocks 64x256x128 w8 s3"
     assert str(grouped_tiles(40, 40, 72, 8)) == "blocks 16x64x128 w8 s3"  # (no wider than N and K need)
+
+
+@pytest.mark.parametrize("tokens,top_k,E,N,K", [(1, 8, 16, 200, 300), (20, 2, 8, 136, 260)])
+def test_the_kernels_with_block_scales(tokens, top_k, E, N, K):
+    p = make_grouped(tokens, top_k, E, N, K, torch.float8_e4m3fn, device=DEVICE, seed=tokens + K, blocks=True)
+    p.expert_ids[-1] = -1
+    out = launch_scaled_grouped_mm(*p.args())
+    assert out[-1].isnan().all()
+    assert_matches_oracle(out, p, torch.bfloat16, HALF_ULPS)

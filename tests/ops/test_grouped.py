@@ -111,3 +111,24 @@ def _bad(**change):
 def test_bad_input_names_the_argument(change, error, message):
     with pytest.raises(error, match="^fusepass.scaled_grouped_mm: " + __import__("re").escape(message)):
         fusepass.scaled_grouped_mm(**_bad(**change))
+
+
+@pytest.mark.parametrize("tokens,top_k,E,N,K", [(1, 8, 16, 200, 300), (5, 2, 4, 128, 256), (20, 2, 8, 136, 130)])
+def test_block_scales_match_the_float64_oracle(tokens, top_k, E, N, K):
+    p = make_grouped(tokens, top_k, E, N, K, torch.float8_e4m3fn, device=DEVICE, seed=tokens + K, blocks=True)
+    assert p.scale_b.stride(1) == 1 or p.scale_b.shape[2] == 1  # (the stored [E, N/128, K/128]'s transpose)
+    assert_matches_oracle(fusepass.scaled_grouped_mm(*p.args()), p, torch.bfloat16)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda p: (setattr(p, "a", p.a.to(torch.float32).to(torch.int8)), setattr(p, "b", p.b.to(torch.float32).to(torch.int8))),
+     "block scales .* are for float8_e4m3fn operands"),
+    (lambda p: setattr(p, "scale_a", p.scale_a[:, :1]), r"`scale_a` must be \[6, 3\] \(one per 1x128 group of a row"),
+    (lambda p: setattr(p, "scale_b", p.scale_b[:, :, :1]), r"`scale_b` must be \[4, 3, 2\] \(one per 128x128 block"),
+    (lambda p: setattr(p, "scale_b", p.scale_b.to(torch.bfloat16)), "scale_b"),
+])
+def test_bad_block_scales_are_errors_naming_the_argument(change, message):
+    p = make_grouped(3, 2, 4, 200, 300, torch.float8_e4m3fn, seed=5, blocks=True)
+    change(p)
+    with pytest.raises((ValueError, TypeError), match=message):
+        fusepass.scaled_grouped_mm(*p.args())

@@ -30,24 +30,28 @@ def _weights(E, K, N, dtype):
     return _WEIGHTS[key]
 
 
-def routed_problem(tokens, top_k, E, K, N, dtype, seed=0) -> Grouped:
+def routed_problem(tokens, top_k, E, K, N, dtype, seed=0, blocks=False) -> Grouped:
+    """``blocks``: fp8 with one scale per 1x128 group and per 128x128 block (native FP8's experts)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     M = tokens * top_k
     a = torch.randint(-128, 128, (M, K), dtype=torch.int8, device="cuda", generator=g)
     if dtype != torch.int8:
         a = (torch.randn((M, K), device="cuda", generator=g) * 2).to(dtype)
     ids = torch.rand((tokens, E), device="cuda", generator=g).argsort(dim=1)[:, :top_k].reshape(-1)
+    groups, n_blocks = -(-K // 128), -(-N // 128)
+    sa_shape, sb_shape = ((M, groups), (E, n_blocks, groups)) if blocks else ((M,), (E, N))
+    sb = torch.rand(sb_shape, device="cuda", generator=g) * 0.02 + 0.001
     return Grouped(a, _weights(E, K, N, dtype).transpose(1, 2),
-                   torch.rand(M, device="cuda", generator=g) * 0.02 + 0.001,
-                   torch.rand((E, N), device="cuda", generator=g) * 0.02 + 0.001, ids,
-                   row_weights=torch.rand(M, device="cuda", generator=g))
+                   torch.rand(sa_shape, device="cuda", generator=g) * 0.02 + 0.001,
+                   sb.transpose(1, 2) if blocks else sb, ids, row_weights=torch.rand(M, device="cuda", generator=g))
 
 
-@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])
 @pytest.mark.parametrize("E,K,N", EXPERTS)
 @pytest.mark.parametrize("tokens", [1, 4, 16, 128, 2048])  # M = 8 (decode) ... 16384 (prefill 2048)
-def test_gpu_experts_shapes_against_the_oracle(tokens, E, K, N, dtype):
-    p = routed_problem(tokens, 8, E, K, N, dtype, seed=tokens)
+def test_gpu_experts_shapes_against_the_oracle(tokens, E, K, N, kind):
+    dtype = torch.int8 if kind == "int8" else torch.float8_e4m3fn
+    p = routed_problem(tokens, 8, E, K, N, dtype, seed=tokens, blocks=kind == "fp8-block")
     if tokens * 8 < E:
         assert p.expert_ids.unique().numel() < E  # (experts with no rows)
     out = fusepass.scaled_grouped_mm(*p.args())
