@@ -63,7 +63,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fusepass  # noqa: E402
 from fusepass.demo import models  # noqa: E402
-from fusepass.kernels import KERNELS  # noqa: E402
+from fusepass.kernels import GEMM_KERNELS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from guard_filters import GUARD_FILTERS  # noqa: E402  (--guard-filter)
@@ -71,7 +71,7 @@ from model_results import append, load, plot, report  # noqa: E402  (the results
 
 # fusepass's GEMM kernels, by the names their launches carry in a profile (Inductor's too, which
 # may add a suffix)
-FUSED_GEMMS = tuple(k.fn.__name__ for k in KERNELS)
+FUSED_GEMMS = tuple(k.fn.__name__ for k in GEMM_KERNELS)
 
 FULL = models.Sizes(32, 4096, 14336, 32, 8, 128256)  # Llama-3-8B
 SHAPES = {"llama3-8b": FULL, "qwen3-8b": models.Sizes(36, 4096, 12288, 32, 8, 151936, "qwen3"),

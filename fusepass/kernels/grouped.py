@@ -149,3 +149,58 @@ def grouped_mm_kernel(
             y = _epilogue(acc, rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
                           SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS, BLOCK_SCALES)
             tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _row_of(one_hot, values):
+    """values[key] for each row's key, given the rows' one-hot keys [R, G] and values [G]."""
+    return tl.sum(tl.where(one_hot, values[None, :], 0), axis=1)
+
+
+@triton.jit
+def route_kernel(
+    ids_ptr,  # (M,) the rows' experts
+    rows_ptr,  # (BLOCKS * BLOCK_M,) out: the rows sorted by expert, each expert's padded with M
+    block_experts_ptr,  # (BLOCKS,) out: each block's expert (E: rows with no valid expert; E + 1: unused)
+    M, E, BLOCKS,
+    BLOCK_M: tl.constexpr,  # the sorted kernel's rows a block
+    GROUPS: tl.constexpr,  # a power of two > E + 1: groups 0..E-1 the experts, E invalid ids, the rest unused
+    CHUNK: tl.constexpr,
+):
+    """The sorted kernel's row order in one program (``grouped_launch.route``'s contract): each
+    expert's rows in their order, padded to whole blocks, the experts in order, then the rows
+    whose id is outside [0, E). Three passes over the ids: count each group's rows; each row's
+    place (its group's start, the rows of its group before it); each block's group."""
+    groups = tl.arange(0, GROUPS)
+    counts = tl.zeros((GROUPS,), dtype=tl.int32)
+    for c0 in range(0, M, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < M, other=0).to(tl.int32)
+        key = tl.where((ids >= 0) & (ids < E), ids, E)
+        key = tl.where(offs < M, key, GROUPS - 1)  # (past M: the unused last group)
+        counts += tl.histogram(key, GROUPS)
+    counts = tl.where(groups <= E, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_end = tl.cumsum(padded, axis=0)
+    pad_start = pad_end - padded
+    for s0 in range(0, BLOCKS * BLOCK_M, CHUNK):  # every slot the sentinel M first
+        slots = s0 + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + slots, M, mask=slots < BLOCKS * BLOCK_M)
+    tl.debug_barrier()
+    seen = tl.zeros((GROUPS,), dtype=tl.int32)
+    before = tl.arange(0, CHUNK)[None, :] < tl.arange(0, CHUNK)[:, None]  # [i, j]: row j comes before row i
+    for c0 in range(0, M, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < M, other=0).to(tl.int32)
+        key = tl.where((ids >= 0) & (ids < E), ids, E)
+        key = tl.where(offs < M, key, GROUPS - 1)
+        one_hot = key[:, None] == groups[None, :]
+        rank = tl.sum(((key[None, :] == key[:, None]) & before).to(tl.int32), axis=1)
+        place = _row_of(one_hot, pad_start) + _row_of(one_hot, seen) + rank
+        tl.store(rows_ptr + place, offs, mask=offs < M)
+        seen += tl.histogram(key, GROUPS)
+    for b0 in range(0, BLOCKS, CHUNK):
+        blocks = b0 + tl.arange(0, CHUNK)
+        ends = tl.where(groups <= E, pad_end, 2147483647)
+        expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + blocks, expert, mask=blocks < BLOCKS)

@@ -16,30 +16,25 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .blockwise import BLOCK
 from .direct import launcher
-from .grouped import grouped_gemv_kernel, grouped_mm_kernel
+from .grouped import grouped_gemv_kernel, grouped_mm_kernel, route_kernel
 from .launch import INTERPRETED, on_device, traced
-from .policy import GroupedTiles, grouped_tiles
+from .policy import GroupedTiles, pow2_at_least, grouped_tiles
+
+ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
 
 
-def route(expert_ids: torch.Tensor, E: int, rows_a_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, block_experts): the row indices sorted by expert (stable), each expert's run padded
-    to whole blocks of ``rows_a_block`` with the sentinel M, in a list of fixed length (M plus
-    a block's padding an expert, rounded to blocks); and each block's expert: that expert, E for
-    the rows whose id is outside [0, E) (stored as NaN), E + 1 for the unused blocks at the end."""
+def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, block_experts) of the sorted kernel, in one launch of ``route_kernel``: the row
+    indices sorted by expert (stable), each expert's run padded to whole blocks of
+    ``rows_a_block`` with the sentinel M, in a list of fixed length (M plus a block's padding an
+    expert, rounded to blocks); and each block's expert: that expert, E for the rows whose id is
+    outside [0, E) (stored as NaN), E + 1 for the unused blocks at the end. int32."""
     M, device = expert_ids.shape[0], expert_ids.device
-    ids = expert_ids.to(torch.int64)
-    key = torch.where((ids >= 0) & (ids < E), ids, E)  # groups 0..E: E collects invalid ids
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts + rows_a_block - 1) // rows_a_block * rows_a_block
-    pad_end = torch.cumsum(padded, 0)
-    order = torch.argsort(key, stable=True)
-    group = key[order]
-    rank = torch.arange(M, device=device) - (torch.cumsum(counts, 0) - counts)[group]
     blocks = (M + (E + 1) * (rows_a_block - 1) + rows_a_block - 1) // rows_a_block
-    rows = torch.full((blocks * rows_a_block,), M, dtype=torch.int64, device=device)
-    rows = rows.scatter(0, (pad_end - padded)[group] + rank, order)
-    starts = torch.arange(blocks, device=device) * rows_a_block
-    block_experts = torch.searchsorted(pad_end, starts, right=True)
+    rows = torch.empty((blocks * rows_a_block,), dtype=torch.int32, device=device)
+    block_experts = torch.empty((blocks,), dtype=torch.int32, device=device)
+    launcher(route_kernel, fake)[(1,)](expert_ids, rows, block_experts, M, E, blocks, BLOCK_M=rows_a_block,
+                                       GROUPS=pow2_at_least(E + 2), CHUNK=ROUTE_CHUNK, num_warps=4)
     return rows, block_experts
 
 
@@ -77,7 +72,7 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
             launcher(grouped_gemv_kernel, fake)[(M, triton.cdiv(N, t.block_n))](*args, expert_ids, *sizes, **flags,
                                                                                **tiling)
         else:
-            rows, block_experts = route(expert_ids, E, t.block_m)
+            rows, block_experts = route(expert_ids, E, t.block_m, fake)
             grid = (block_experts.shape[0], triton.cdiv(N, t.block_n))
             launcher(grouped_mm_kernel, fake)[grid](*args, rows, block_experts, *sizes, **flags,
                                                     BLOCK_M=t.block_m, **tiling)

@@ -53,7 +53,8 @@ class GroupedTiles:
         return f"blocks {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
     return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -67,8 +68,8 @@ def grouped_tiles(M, N, K, E) -> GroupedTiles:
         tiles = GroupedTiles(False, 16, 128, 256, 8, 3)
     else:
         tiles = GroupedTiles(False, 64, 256, 128, 8, 3)
-    return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(16, _pow2_at_least(N))),
-                        min(tiles.block_k, max(32, _pow2_at_least(K))), tiles.num_warps, tiles.num_stages)
+    return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(16, pow2_at_least(N))),
+                        min(tiles.block_k, max(32, pow2_at_least(K))), tiles.num_warps, tiles.num_stages)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from fusepass.kernels.grouped_launch import launch_scaled_grouped_mm, route
 from fusepass.kernels.policy import GROUPED_ROWS_MAX_M
 from fusepass.ops import reference
 from tests.ops.test_grouped import assert_matches_oracle
-from tests.support.grouped_data import make_grouped
+from tests.support.grouped_data import make_grouped, route_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter converts fp32 to bf16 without rounding to nearest (up to an ulp off, as
@@ -55,7 +55,7 @@ def test_both_kernels_take_every_variant(M, variant):
 
 
 def test_route_sorts_rows_into_blocks_of_one_expert():
-    ids = torch.tensor([2, 0, 2, 1, 5, 2, 2])
+    ids = torch.tensor([2, 0, 2, 1, 5, 2, 2], device=DEVICE)
     rows, experts = route(ids, 3, 2)
     M = ids.numel()
     assert rows.numel() == experts.numel() * 2 and rows.numel() >= M + 4 * (2 - 1)
@@ -66,6 +66,16 @@ def test_route_sorts_rows_into_blocks_of_one_expert():
     assert sorted(placed.tolist()) == list(range(M))
     block_of = {r: experts[i // 2].item() for i, r in enumerate(rows.tolist()) if r < M}
     assert all(block_of[r] == (ids[r].item() if ids[r] < 3 else 3) for r in range(M))
+
+
+@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (300, 128, 16), (1000, 64, 64), (130, 3, 4)])
+def test_route_kernel_is_the_stable_sort(M, E, rows_a_block):
+    g = torch.Generator().manual_seed(M + E)
+    ids = torch.randint(-1, E + 1, (M,), generator=g)  # (with ids outside [0, E): their own group)
+    rows, experts = route(ids.to(DEVICE), E, rows_a_block)
+    want_rows, want_experts = route_reference(ids, E, rows_a_block)
+    assert rows.dtype == experts.dtype == torch.int32
+    assert rows.cpu().tolist() == want_rows.tolist() and experts.cpu().tolist() == want_experts.tolist()
 
 
 def test_the_tiles_by_rows_and_rows_an_expert():
