@@ -34,8 +34,10 @@ class Report:
 
     def __str__(self) -> str:
         n, f, p = len(self.decisions), len(self.fused), len(self.partial)
+        e = len(self.experts)
         lines = [f"fusepass: {n} quantized matmul{'s' * (n != 1)}, {f} fused, {n - f} left alone"
-                 + (f" ({p} of the fused in part)" if p else "")]
+                 + (f" ({p} of the fused in part)" if p else "")
+                 + (f"; {e} experts layer{'s' * (e != 1)} on fusepass.scaled_grouped_mm" if e else "")]
         for d in self.decisions:
             head = f"  {d.module + ': ' if d.module else ''}{d.target}({d.shapes})"
             if d.partial:

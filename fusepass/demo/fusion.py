@@ -1,5 +1,5 @@
 """The demo's fusion report: ``fusepass.explain`` on each step graph (prefill and decode,
-batch 1 and the larger batch), printed as one row per quantized linear."""
+batch 1 and the larger batch), printed as one row per quantized linear (and per experts layer)."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def format_reports(reports: dict[str, Report], verbose: bool = False) -> str:
             seen[name] = seen.get(name, 0) + 1
             key = name if seen[name] == 1 else f"{name} (#{seen[name]})"
             rows.setdefault(key, {})[label] = _cell(d)
+        for path, _ in report.experts:  # (a mixture of experts' layers: W8A8Experts call the grouped op)
+            rows.setdefault(path, {})[label] = "scaled_grouped_mm (experts)"
     labels = list(reports)
     widths = [max([len("module")] + [len(k) for k in rows])]
     widths += [max([len(label)] + [len(r.get(label, "-")) for r in rows.values()]) for label in labels]

@@ -180,7 +180,32 @@ def load_pretrained(name: str, device: torch.device, dequantize: bool = False) -
         raise SystemExit(f"fusepass demo: cannot load --model {name}: {reason}") from None
     if dequantize and method == "fbgemm_fp8":  # (transformers has no dequantize for it)
         _dequantize_fbgemm(model)
+    if dequantize and method == "fp8":
+        _dequantize_fp8_experts(model, name)
     return model.to(device).eval()
+
+
+def _dequantize_fp8_experts(model: nn.Module, name: str) -> None:
+    """transformers' ``FineGrainedFP8Config(dequantize=True)`` leaves a native FP8 checkpoint's
+    experts as their raw fp8 values (without their block scales): each such experts module's
+    weights dequantized from the checkpoint's ``FP8Experts`` (a second load, as a GPU loads it)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.experts import is_experts
+
+    raw = [path for path, m in model.named_modules() if is_experts(m) and m.gate_up_proj.element_size() == 1]
+    if not raw:
+        return
+    quantized = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)
+    for path in raw:
+        module, fp8 = model.get_submodule(path), quantized.get_submodule(path)
+        if type(fp8).__name__ != "FP8Experts":
+            raise SystemExit(f"fusepass demo: cannot dequantize --model {name}'s experts {path}: transformers loaded "
+                             f"them as {type(fp8).__name__} (FP8Experts load only where a GPU runs FP8)")
+        for proj in ("gate_up_proj", "down_proj"):
+            w, scale = getattr(fp8, proj).detach(), getattr(fp8, proj + "_scale_inv").detach().float()
+            blocks = scale.repeat_interleave(128, 1)[:, : w.shape[1]].repeat_interleave(128, 2)[:, :, : w.shape[2]]
+            setattr(module, proj, nn.Parameter((w.float() * blocks).to(torch.bfloat16), requires_grad=False))
 
 
 def _dequantize_fbgemm(model: nn.Module) -> None:
