@@ -103,6 +103,7 @@ VARIANTS = {
     # (fusepass.scaled_grouped_mm), attention's linears by torchao, through prepare + fusepass
     "moe-int8": ("int8", "experts", "fusepass", True),
     "moe-fp8": ("fp8", "experts", "fusepass", True),
+    "moe-fp8-block": ("fp8-block", "experts", "fusepass", True),  # as a native FP8 MoE checkpoint: 128x128 blocks
     # the FP8_DYNAMIC checkpoint written to disk and loaded by transformers with
     # use_optimized_inference=True (row-wise F.scaled_mm on GPUs with fp8; elsewhere transformers
     # falls back to ct-fp8's route); in a process of its own (ALONE)

@@ -224,14 +224,17 @@ def transformers_fp8(model: nn.Module, block: tuple | None = (128, 128)) -> nn.M
     """``model`` (in place) as transformers holds a native FP8 checkpoint it loaded on a GPU:
     every linear but lm_head a transformers ``FP8Linear`` (128x128 weight blocks, or per-tensor
     where ``block`` is None), its weight quantized by transformers' own ``Fp8Quantize`` (what
-    ``FineGrainedFP8Config`` does as a model loads), without a checkpoint written to disk."""
+    ``FineGrainedFP8Config`` does as a model loads), without a checkpoint written to disk. A
+    mixture's experts are left as they are (``fusepass.quantize_experts`` takes them)."""
     from transformers import FineGrainedFP8Config
     from transformers.integrations.finegrained_fp8 import Fp8Quantize, replace_with_fp8_linear
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
     config = FineGrainedFP8Config(weight_block_size=block)
     linears = {path: m for path, m in model.named_modules() if type(m) is nn.Linear and path != "lm_head"}
-    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=config,
+    # (it would also put an empty FP8Experts, on the meta device, where each "*.experts" module is)
+    experts = [path for path, _ in model.named_modules() if path.endswith(".experts")]
+    replace_with_fp8_linear(model, modules_to_not_convert=["lm_head", *experts], quantization_config=config,
                             pre_quantized=False)
     quantize = Fp8Quantize(FineGrainedFP8HfQuantizer(config))
     for path, old in linears.items():
@@ -375,15 +378,18 @@ _IGNORED = re.compile(r"(^lm_head$|\.gate$|norm|embed)")
 
 def _experts_copy(model: nn.Module, quant: str) -> nn.Module:
     """A W8A8 copy of a MoE ``model``: its experts by ``fusepass.quantize_experts``, its other
-    nn.Linears (attention; the routers are not nn.Linear) by torchao. The copy shares the experts'
+    nn.Linears (attention; the routers are not nn.Linear) by torchao (``fp8-block``: as
+    transformers' native FP8 ``FP8Linear``s). The copy shares the experts'
     float weights instead of copying them (a full-size model's are most of its bytes), then drops them."""
     from ..integrations.experts import is_experts, quantize_experts
 
     shared = {id(p): p for m in model.modules() if is_experts(m) for p in m.parameters(recurse=False)}
     qmodel = copy.deepcopy(model, memo=dict(shared))
-    report = quantize_experts(qmodel, "fp8" if quant == "fp8" else "int8")
+    report = quantize_experts(qmodel, quant if quant in ("fp8", "fp8-block") else "int8")
     if report.left:
         raise ValueError(f"experts left as they are: {report}")
+    if quant == "fp8-block":  # (attention's linears as a native FP8 checkpoint's: 128x128 blocks)
+        return transformers_fp8(qmodel, (128, 128))
     return _torchao(qmodel, quant)
 
 

@@ -26,7 +26,7 @@ from ..ops.grouped import scaled_grouped_mm
 from .linear import ACTS, FP8_MAX, Act, act_index, keeping_dtypes, quantize_input
 from .prepare import replacing_loses
 
-KINDS = ("int8", "fp8")
+KINDS = ("int8", "fp8", "fp8-block")
 _QMAX = {"int8": 127.0, "fp8": FP8_MAX}
 _DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
@@ -34,9 +34,17 @@ _DTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 def quantize_weight(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] float weights per output channel (row of each expert): (q [E, N, K], scale [E, N]
     fp32), symmetric, ``scale = amax / 127`` (int8, rounded) or ``amax / 448`` (e4m3): the ops'
-    per-row recipe (``ops.dynamic.quantize_rows``), the scale first, floored at fp32's tiniest."""
-    q, scale = quantize_rows(w.detach().reshape(-1, w.shape[-1]), _DTYPE[kind], _QMAX[kind],
-                             torch.finfo(torch.float32).tiny, floor_first=False)
+    per-row recipe (``ops.dynamic.quantize_rows``), the scale first, floored at fp32's tiniest;
+    ``fp8-block``: per 128x128 block of each expert, scale [E, N / 128, K / 128] (DeepSeek-V3's,
+    as a native FP8 checkpoint holds them; N and K multiples of 128)."""
+    tiny = torch.finfo(torch.float32).tiny
+    if kind == "fp8-block":
+        E, N, K = w.shape
+        blocks = w.detach().float().reshape(E, N // 128, 128, K // 128, 128)
+        scale = blocks.abs().amax(dim=(2, 4)).clamp(min=tiny) / FP8_MAX
+        q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return q.reshape(w.shape), scale
+    q, scale = quantize_rows(w.detach().reshape(-1, w.shape[-1]), _DTYPE[kind], _QMAX[kind], tiny, floor_first=False)
     return q.reshape(w.shape), scale.reshape(w.shape[:-1])
 
 
@@ -170,7 +178,8 @@ class ExpertsReport:
 def quantize_experts(model: nn.Module, kind: str = "int8") -> ExpertsReport:
     """Replace, in place, every transformers experts module of ``model`` (float weights) by a
     ``W8A8Experts``: weights per output channel, activations per token (``kind``: int8 or fp8
-    e4m3), run on ``fusepass.scaled_grouped_mm``. Returns the report of what was converted and
+    e4m3), or ``fp8-block`` (weights per 128x128 block, activations per 1x128 group, as native
+    FP8 checkpoints are), run on ``fusepass.scaled_grouped_mm``. Returns the report of what was converted and
     what was left, with why. The router, attention and dense linears are untouched (quantize
     them as usual, then ``fusepass.prepare``)."""
     if kind not in KINDS:
@@ -180,6 +189,10 @@ def quantize_experts(model: nn.Module, kind: str = "int8") -> ExpertsReport:
         if not is_experts(module):
             continue
         why = _refusal(module)
+        if why is None and kind == "fp8-block" and any(d % 128 for d in (*module.gate_up_proj.shape[1:],
+                                                                           *module.down_proj.shape[1:])):
+            why = (f"fp8-block needs experts of whole 128x128 blocks; gate_up_proj is "
+                   f"{tuple(module.gate_up_proj.shape)}, down_proj {tuple(module.down_proj.shape)}")
         if why is not None:
             report.left[name] = why
             continue

@@ -410,3 +410,23 @@ def test_a_moe_decode_step_reads_the_routed_experts():
                         num_hidden_layers=48, num_experts_per_tok=8, moe_intermediate_size=768, intermediate_size=6144)
     attention = 2 * 2048 * 32 * 128 + 2 * 2048 * 4 * 128
     assert bench.linear_weights(c) == 48 * (attention + 8 * 3 * 2048 * 768)
+
+
+def test_a_mixture_of_experts_in_native_fp8s_blocks():
+    """moe-fp8-block: the experts by quantize_experts per 128x128 block, attention's linears as
+    transformers' native FP8Linears, both prepared; near the bf16 model."""
+    import torch
+
+    from fusepass.integrations.experts import W8A8Experts
+    from fusepass.integrations.linear import W8A8Linear
+
+    sizes = models.Sizes(1, 256, 256, 2, 1, 256, "qwen3_moe", 8, 2, 128)  # (whole 128x128 blocks everywhere)
+    base = models.random_llama(sizes, 32, torch.device("cpu"), 0, "batched_mm")
+    model = bench.build("moe-fp8-block", base, log=lambda _: None)
+    experts, q_proj = model.model.layers[0].mlp.experts, model.model.layers[0].self_attn.q_proj
+    assert isinstance(experts, W8A8Experts) and experts.act.kind == "fp8-block"
+    assert isinstance(q_proj, W8A8Linear) and q_proj.act.kind == "fp8-block"
+    ids = models.prompt(base, 1, 8, seed=0)
+    with torch.no_grad():
+        ref, out = base(ids).logits.float(), model(ids).logits.float()
+    assert 0 < (out - ref).norm() < 0.5 * ref.norm()

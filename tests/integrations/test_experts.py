@@ -91,21 +91,33 @@ def _simulated(module: W8A8Experts, x, index, weights):
     return out
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])
 def test_the_module_computes_its_quantized_values(kind):
-    model = moe_model("qwen3_moe")
+    model = moe_model("qwen3_moe", blocks=kind == "fp8-block")
     quantize_experts(model, kind)
     module = _experts(model)[0]
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(5, 128, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, module.hidden_dim, generator=g).to(torch.bfloat16)
     index = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(5)])
     weights = torch.softmax(torch.randn(5, 4, generator=g), -1)
     with torch.no_grad():
         out = module(x, index, weights)
     want = _simulated(module, x, index, weights)
-    assert out.dtype == torch.bfloat16 and out.shape == (5, 128)
+    assert out.dtype == torch.bfloat16 and out.shape == (5, module.hidden_dim)
     assert ((out.double() - want).norm() / want.norm()).item() < 1e-2  # (bf16 roundings of the rows)
-    assert module.gate_up.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kind]
+    assert module.gate_up.dtype == (torch.int8 if kind == "int8" else torch.float8_e4m3fn)
+    if kind == "fp8-block":  # one scale per 128x128 block, the largest value of each block at +-448
+        E, N, K = module.gate_up.shape
+        assert module.gate_up_scale.shape == (E, N // 128, K // 128)
+        blocks = module.gate_up.float().reshape(E, N // 128, 128, K // 128, 128).abs().amax(dim=(2, 4))
+        assert (blocks == 448).all()
+
+
+def test_fp8_block_needs_whole_blocks():
+    model = moe_model("qwen3_moe")  # (experts 64 wide)
+    report = quantize_experts(model, "fp8-block")
+    assert not report.converted and report.left["model.layers.0.mlp.experts"] == (
+        "fp8-block needs experts of whole 128x128 blocks; gate_up_proj is (16, 128, 128), down_proj (16, 128, 64)")
 
 
 def _routed_inputs(T: int, H: int, E: int, k: int, seed: int, device="cpu"):
@@ -200,7 +212,7 @@ def test_what_it_cannot_take_is_left_with_the_reason(module, why):
 
 
 def test_a_bad_kind_is_an_error():
-    with pytest.raises(ValueError, match="fusepass.quantize_experts: kind must be one of int8, fp8; got 'int4'"):
+    with pytest.raises(ValueError, match="fusepass.quantize_experts: kind must be one of int8, fp8, fp8-block; got 'int4'"):
         quantize_experts(nn.Linear(2, 2), "int4")
 
 
