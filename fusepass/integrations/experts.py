@@ -24,7 +24,7 @@ from torch import nn
 from ..ops.dynamic import quantize_rows
 from ..ops.grouped import scaled_grouped_mm
 from .linear import ACTS, FP8_MAX, Act, act_index, keeping_dtypes, quantize_input
-from .prepare import replacing_loses
+from .replacing import replacing_loses
 
 KINDS = ("int8", "fp8", "fp8-block")
 _QMAX = {"int8": 127.0, "fp8": FP8_MAX}
@@ -106,8 +106,8 @@ def fp8_experts(module: nn.Module) -> "W8A8Experts | str | None":
     lost = replacing_loses(module, "W8A8Experts", "prepare")
     if lost is not None:
         return lost
-    wanted = {"has_gate": True, "has_bias": False, "activation_scheme": "dynamic", "swiglu_limit": None,
-              "gate_softcap": None, "up_softcap": None}
+    wanted = {"has_gate": True, "has_bias": False, "activation_scheme": "dynamic", "swiglu_alpha": None,
+              "swiglu_limit": None, "gate_softcap": None, "up_softcap": None}
     unsupported = [f"{flag}={getattr(module, flag)!r}" for flag, value in wanted.items()
                    if getattr(module, flag, value) != value]
     if tuple(getattr(module, "block_size", None) or ()) != (128, 128):
@@ -119,6 +119,10 @@ def fp8_experts(module: nn.Module) -> "W8A8Experts | str | None":
     for name, w in (("gate_up_proj", weights[0]), ("down_proj", weights[2])):
         if w.dtype != torch.float8_e4m3fn:
             return f"FP8Experts {name} of {w.dtype}: float8_e4m3fn weights only"
+    hidden, width = weights[2].shape[1:]
+    if hidden % 128 or width % 128:  # (activations by whole 1x128 groups; gate and up in blocks of their own)
+        return (f"FP8Experts of hidden size {hidden} and width {width}: whole 128x128 blocks only (multiples of "
+                "128)")
     for w, s in (weights[:2], weights[2:]):
         blocks = (w.shape[0], -(-w.shape[1] // 128), -(-w.shape[2] // 128))
         if s.dtype != torch.float32 or tuple(s.shape) != blocks:
@@ -127,15 +131,15 @@ def fp8_experts(module: nn.Module) -> "W8A8Experts | str | None":
     return W8A8Experts(*(t.detach() for t in weights), Act("fp8-block"), module.act_fn)
 
 
-def _refusal(module: nn.Module) -> str | None:
-    """Why transformers' experts ``module`` cannot become a W8A8Experts, or None: what replacing it
-    would lose (a class of its own, hooks, a forward replaced on the instance), or what the
-    grouped GEMMs do not compute."""
+def _refusal(module: nn.Module, call: str = "quantize_experts") -> str | None:
+    """Why transformers' experts ``module`` cannot become a W8A8Experts (in ``call``), or None:
+    what replacing it would lose (a class of its own, hooks, a forward replaced on the instance),
+    or what the grouped GEMMs do not compute."""
     cls = type(module)
     if not cls.__module__.startswith("transformers."):
         return (f"a {cls.__module__}.{cls.__qualname__} (not one of transformers' experts classes): its behaviour "
                 "would be lost")
-    lost = replacing_loses(module, "W8A8Experts", "quantize_experts")
+    lost = replacing_loses(module, "W8A8Experts", call)
     if lost is not None:
         return lost
     flags = {"has_bias": False, "is_transposed": False, "has_gate": True, "has_post_expert_norm": False,

@@ -53,25 +53,28 @@ def scheme_of(config, name: str):
 
 
 class Checkpoint:
-    """The safetensors files of a model's checkpoint: where each tensor is, read on demand."""
+    """The safetensors files of a model's checkpoint: where each tensor is, read on demand (each
+    file opened once). Raises OSError where the folder holds none."""
 
     def __init__(self, folder: str):
+        from safetensors import safe_open
+
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
                 self.where = {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
         else:
-            from safetensors import safe_open
-
             path = os.path.join(folder, "model.safetensors")
             with safe_open(path, "pt") as f:
                 self.where = {k: path for k in f.keys()}
+        self._open: dict = {}
+        self._safe_open = safe_open
 
     def get(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(self.where[key], "pt") as f:
-            return f.get_tensor(key)
+        path = self.where[key]
+        if path not in self._open:
+            self._open[path] = self._safe_open(path, "pt")
+        return self._open[path].get_tensor(key)
 
 
 def checkpoint_folder(model: nn.Module) -> str | None:
@@ -85,7 +88,8 @@ def checkpoint_folder(model: nn.Module) -> str | None:
     try:
         from huggingface_hub import snapshot_download
 
-        return snapshot_download(name, local_files_only=True)
+        revision = getattr(getattr(model, "config", None), "_commit_hash", None)  # (the revision it loaded)
+        return snapshot_download(name, revision=revision, local_files_only=True)
     except Exception:  # noqa: BLE001  (not in the cache: nothing to read)
         return None
 
@@ -131,7 +135,7 @@ def _dequantizes_to(q: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor) 
 def read_experts(model: nn.Module, name: str, module: nn.Module, config, checkpoint: Checkpoint) -> W8A8Experts | str:
     """The ``W8A8Experts`` of transformers' experts ``module`` (at ``name`` in ``model``) from
     its compressed-tensors checkpoint, or why not."""
-    why = _refusal(module)
+    why = _refusal(module, "prepare")
     if why is not None:
         return why
     keys = expert_keys(checkpoint, name)
@@ -148,7 +152,7 @@ def read_experts(model: nn.Module, name: str, module: nn.Module, config, checkpo
     device = module.gate_up_proj.device
     try:
         (gate, gs), (up, us), (down, ds) = (_stacked(checkpoint, keys[p], dtype, device) for p in ("gate", "up", "down"))
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError, OSError) as e:
         return f"the checkpoint's experts: {e}"
     gate_up, gate_up_scale = torch.cat([gate, up], 1), torch.cat([gs, us], 1)
     if gate_up.shape != module.gate_up_proj.shape or down.shape != module.down_proj.shape:
@@ -167,6 +171,8 @@ def prepare_experts(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
     a model with neither."""
     converted, left = {}, {}
     for name, module in list(model.named_modules()):  # transformers' native FP8 experts: the values in memory
+        if not name:
+            continue  # (an experts module passed itself has no parent to put the new one in)
         new = fp8_experts(module)
         if isinstance(new, W8A8Experts):
             _replace(model, name, new)
@@ -174,14 +180,18 @@ def prepare_experts(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
         elif new is not None:
             left[name] = new
     config = ct_config(model)
-    experts = [(n, m) for n, m in model.named_modules() if is_experts(m)] if config is not None else []
+    experts = [(n, m) for n, m in model.named_modules() if n and is_experts(m)] if config is not None else []
     if not experts:
         return converted, left
     folder = checkpoint_folder(model)
     if folder is None:
         return converted, {n: "its checkpoint's files are not on this machine (name_or_path: a folder, or the "
                               "Hugging Face cache): transformers loaded its experts dequantized" for n, _ in experts}
-    checkpoint = Checkpoint(folder)
+    try:
+        checkpoint = Checkpoint(folder)
+    except OSError as e:  # (no safetensors files: a .bin checkpoint, a partial snapshot)
+        return converted, {**left, **{n: f"its checkpoint's safetensors files cannot be read at {folder}: {e}"
+                                      for n, _ in experts}}
     for name, module in experts:
         new = read_experts(model, name, module, config, checkpoint)
         if isinstance(new, str):
@@ -194,4 +204,4 @@ def prepare_experts(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
+    setattr(model.get_submodule(parent), child, new)

@@ -37,6 +37,8 @@ import torch
 from torch import nn
 
 from . import saved
+from .experts_checkpoint import prepare_experts
+from .replacing import replacing_loses
 from .formats import FORMATS, Format, Quantized
 from .linear import Joint, W8A8Linear
 
@@ -95,25 +97,6 @@ def _changed_behaviour(linear: nn.Module, fmt: Format) -> str | None:
     return replacing_loses(linear, "the converted module", "prepare", fmt.owns_forward(linear))
 
 
-def replacing_loses(module: nn.Module, new: str, call: str, own_forward: bool = False) -> str | None:
-    """What replacing ``module`` by ``new`` (in ``call``) would not run, or None: its hooks, or a
-    forward replaced on the instance (unless ``own_forward``: one the caller takes apart)."""
-    hooks = [kind for kind, held in (("forward pre-hooks", module._forward_pre_hooks), ("forward hooks", module._forward_hooks),
-                                     ("backward pre-hooks", module._backward_pre_hooks),
-                                     ("backward hooks", module._backward_hooks)) if held]
-    if hooks:
-        return f"it has {' and '.join(hooks)}, which {new} would not run; register them after {call}, on the new module"
-    if "forward" in module.__dict__ and not own_forward and not _own_method(module, module.__dict__["forward"]):
-        return f"its forward is replaced on the instance (an offload or dispatch hook, a wrapper), which {new} would not run"
-    return None
-
-
-def _own_method(module: nn.Module, forward) -> bool:
-    """``forward`` is the class's own forward bound to ``module`` (what transformers' experts
-    set on themselves at their first call): nothing of the module's would be lost."""
-    return getattr(forward, "__func__", None) is type(module).forward and getattr(forward, "__self__", None) is module
-
-
 def _joint(members: list[tuple[str, nn.Linear, Quantized]]) -> Joint:
     q = [m[2] for m in members]
     weight = torch.cat([x.weight for x in q]) if len(q) > 1 else q[0].weight.contiguous()
@@ -140,8 +123,6 @@ def prepare(model: nn.Module, join: bool = True) -> Preparation:
     runs in eager too, on fusepass's ops. A linear held in several places is converted once
     and replaced in each (alone in its buffer); one whose replacement would change what the
     model does (a subclass, hooks: ``_changed_behaviour``) is left, with the reason."""
-    from .experts_checkpoint import prepare_experts  # (it imports experts.py, which imports this module)
-
     report = Preparation()
     # each linear read once (after a first forward, reading a compressed-tensors weight divides it)
     found_in, formats = {}, defaultdict(list)

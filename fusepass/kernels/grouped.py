@@ -158,6 +158,15 @@ def _row_of(one_hot, values):
 
 
 @triton.jit
+def _group(ids_ptr, offs, M, E, GROUPS: tl.constexpr):
+    """Each row's group: its expert, E where its id is outside [0, E) (compared in the ids' own
+    dtype: an int64 id is not wrapped), GROUPS - 1 past M (a group no block takes)."""
+    ids = tl.load(ids_ptr + offs, mask=offs < M, other=0)
+    key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
+    return tl.where(offs < M, key, GROUPS - 1)
+
+
+@triton.jit
 def route_kernel(
     ids_ptr,  # (M,) the rows' experts
     rows_ptr,  # (BLOCKS * BLOCK_M,) out: the rows sorted by expert, each expert's padded with M
@@ -170,15 +179,14 @@ def route_kernel(
     """The sorted kernel's row order in one program (``grouped_launch.route``'s contract): each
     expert's rows in their order, padded to whole blocks, the experts in order, then the rows
     whose id is outside [0, E). Three passes over the ids: count each group's rows; each row's
-    place (its group's start, the rows of its group before it); each block's group."""
+    place (its group's start, the rows of its group before it); each block's group. Counts are
+    sums of one-hot rows (no shared-memory histogram). ``ids`` contiguous."""
     groups = tl.arange(0, GROUPS)
     counts = tl.zeros((GROUPS,), dtype=tl.int32)
     for c0 in range(0, M, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < M, other=0).to(tl.int32)
-        key = tl.where((ids >= 0) & (ids < E), ids, E)
-        key = tl.where(offs < M, key, GROUPS - 1)  # (past M: the unused last group)
-        counts += tl.histogram(key, GROUPS)
+        key = _group(ids_ptr, offs, M, E, GROUPS)
+        counts += tl.sum((key[:, None] == groups[None, :]).to(tl.int32), axis=0)
     counts = tl.where(groups <= E, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, axis=0)
@@ -191,14 +199,12 @@ def route_kernel(
     before = tl.arange(0, CHUNK)[None, :] < tl.arange(0, CHUNK)[:, None]  # [i, j]: row j comes before row i
     for c0 in range(0, M, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < M, other=0).to(tl.int32)
-        key = tl.where((ids >= 0) & (ids < E), ids, E)
-        key = tl.where(offs < M, key, GROUPS - 1)
+        key = _group(ids_ptr, offs, M, E, GROUPS)
         one_hot = key[:, None] == groups[None, :]
         rank = tl.sum(((key[None, :] == key[:, None]) & before).to(tl.int32), axis=1)
         place = _row_of(one_hot, pad_start) + _row_of(one_hot, seen) + rank
         tl.store(rows_ptr + place, offs, mask=offs < M)
-        seen += tl.histogram(key, GROUPS)
+        seen += tl.sum(one_hot.to(tl.int32), axis=0)
     for b0 in range(0, BLOCKS, CHUNK):
         blocks = b0 + tl.arange(0, CHUNK)
         ends = tl.where(groups <= E, pad_end, 2147483647)

@@ -38,6 +38,10 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
     return rows, block_experts
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,
                              tiles: GroupedTiles | None = None):
     """The op's CUDA path (and, under Triton's interpreter, CPU tensors): inputs validated by
@@ -50,12 +54,14 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     if statically_known_true(M == 0) or statically_known_true(N == 0) or (INTERPRETED and fake):
         return out
     blocks = scale_b.dim() == 3  # (fp8 with 128x128 block scales: ops.grouped)
-    w = None if row_weights is None else row_weights.reshape(-1)
+    # (the kernels read the ids, per-row vectors and a row of per-channel values contiguous)
+    expert_ids, w = _dense(expert_ids), None if row_weights is None else _dense(row_weights.reshape(-1))
+    bias = None if bias is None else _dense(bias)
     if blocks:
         sa, sb = scale_a, scale_b
         block_strides = (sa.stride(0), sa.stride(1), sb.stride(1), sb.stride(2))
     else:
-        sa, sb, block_strides = scale_a.reshape(-1), scale_b.reshape(E, -1), (0, 0, 0, 0)
+        sa, sb, block_strides = _dense(scale_a.reshape(-1)), _dense(scale_b.reshape(E, -1)), (0, 0, 0, 0)
     args = (a, b, out, sa, sb, bias, w)
     sizes = (M, N, K, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), sb.stride(0),
              0 if bias is None else bias.stride(0), *block_strides)

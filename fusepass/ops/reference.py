@@ -121,7 +121,7 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, 
     M, N, E = a.shape[0], b.shape[2], b.shape[0]
     x = torch.full((M, N), float("nan"), dtype=torch.float32, device=a.device)
     blocks = scale_b.dim() == 3  # (per 1x128 group of a row, per 128x128 block of an expert)
-    sa = scale_a.to(torch.float32).reshape(M, -1) if blocks else scale_a.to(torch.float32).reshape(-1, 1)
+    sa = scale_a.to(torch.float32) if blocks else scale_a.to(torch.float32).reshape(-1, 1)
     sb = scale_b.to(torch.float32) if blocks else scale_b.to(torch.float32).reshape(E, -1)
     ids = expert_ids.reshape(-1, 1)
     for e in range(E):

@@ -128,12 +128,13 @@ def _routed_inputs(T: int, H: int, E: int, k: int, seed: int, device="cpu"):
     return x.to(device), index.to(device), weights.to(device)
 
 
-@pytest.mark.parametrize("tokens", [1, 12])  # (the row kernel's and the blocks' M on a GPU: 4 and 48 rows)
-def test_compiled_with_fusepass_as_eager(tokens):
-    model = moe_model("qwen3_moe").to(DEVICE)
-    quantize_experts(model, "int8")
+# (on a GPU: the row kernel's M and the blocks' (4 and 48 rows); fp8-block: native FP8's experts)
+@pytest.mark.parametrize("kind,tokens", [("int8", 1), ("fp8-block", 12)])
+def test_compiled_with_fusepass_as_eager(kind, tokens):
+    model = moe_model("qwen3_moe", blocks=kind == "fp8-block").to(DEVICE)
+    quantize_experts(model, kind)
     module = _experts(model)[0]
-    inputs = _routed_inputs(tokens, 128, 16, 4, seed=tokens, device=DEVICE)
+    inputs = _routed_inputs(tokens, module.hidden_dim, 16, 4, seed=tokens, device=DEVICE)
     torch._dynamo.reset()
     with torch.no_grad():
         want = module(*inputs)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fusepass.kernels.grouped_launch import launch_scaled_grouped_mm, route
-from fusepass.kernels.policy import GROUPED_ROWS_MAX_M
+from fusepass.kernels.policy import GROUPED_ROWS_MAX_M, GroupedTiles
 from fusepass.ops import reference
 from tests.ops.test_grouped import assert_matches_oracle
 from tests.support.grouped_data import make_grouped, route_reference
@@ -68,7 +68,8 @@ def test_route_sorts_rows_into_blocks_of_one_expert():
     assert all(block_of[r] == (ids[r].item() if ids[r] < 3 else 3) for r in range(M))
 
 
-@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (300, 128, 16), (1000, 64, 64), (130, 3, 4)])
+@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (300, 128, 16), (1000, 64, 64), (130, 3, 4),
+                                               (300, 256, 16)])
 def test_route_kernel_is_the_stable_sort(M, E, rows_a_block):
     g = torch.Generator().manual_seed(M + E)
     ids = torch.randint(-1, E + 1, (M,), generator=g)  # (with ids outside [0, E): their own group)
@@ -96,4 +97,32 @@ def test_the_kernels_with_block_scales(tokens, top_k, E, N, K):
     p.expert_ids[-1] = -1
     out = launch_scaled_grouped_mm(*p.args())
     assert out[-1].isnan().all()
+    assert_matches_oracle(out, p, torch.bfloat16, HALF_ULPS)
+
+
+def test_route_kernel_keeps_an_int64_id_past_int32_invalid():
+    ids = torch.tensor([1, 2**32 + 1, 0, -(2**32)], device=DEVICE)
+    rows, experts = route(ids, 4, 2)
+    want_rows, want_experts = route_reference(ids.cpu(), 4, 2)
+    assert rows.cpu().tolist() == want_rows.tolist() and experts.cpu().tolist() == want_experts.tolist()
+    assert experts.cpu().tolist()[:3] == [0, 1, 4]  # (rows 1 and 3: the group of invalid ids)
+
+
+@pytest.mark.parametrize("M", [8, 40])  # (the row kernel and the blocks)
+def test_strided_ids_and_vectors(M):
+    p = make_grouped(M, 1, 8, 48, 64, device=DEVICE, seed=M)
+    want = launch_scaled_grouped_mm(*p.args(torch.float32))
+    p.expert_ids = torch.stack([p.expert_ids, p.expert_ids.flip(0)], 1)[:, 0]  # (stride 2, same values)
+    p.scale_a = torch.stack([p.scale_a, p.scale_a], 1)[:, 0]
+    p.row_weights = torch.stack([p.row_weights, p.row_weights], 1)[:, 0]
+    assert p.expert_ids.stride(0) == 2
+    torch.testing.assert_close(launch_scaled_grouped_mm(*p.args(torch.float32)), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tiles", [GroupedTiles(True, 1, 64, 32, 4, 1), GroupedTiles(False, 16, 256, 32, 4, 2)],
+                         ids=str)
+def test_block_scales_with_slices_of_a_group_and_tiles_across_blocks(tiles):
+    # (BLOCK_K 32: four slices a 128-wide group; BLOCK_N 256: a tile over two 128-wide blocks of N)
+    p = make_grouped(5 if tiles.rows else 20, 2, 4, 300, 200, torch.float8_e4m3fn, device=DEVICE, seed=9, blocks=True)
+    out = launch_scaled_grouped_mm(*p.args(), tiles=tiles)
     assert_matches_oracle(out, p, torch.bfloat16, HALF_ULPS)

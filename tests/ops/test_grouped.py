@@ -57,8 +57,9 @@ def test_a_row_with_an_expert_outside_the_range_is_nan():
     assert_matches_oracle(out, p, torch.bfloat16)
 
 
-def test_no_rows_and_no_columns():
-    p = make_grouped(0, 8, 8, 32, 64, device=DEVICE)
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-channel", "block-scales"])
+def test_no_rows(blocks):
+    p = make_grouped(0, 8, 8, 32, 64, torch.float8_e4m3fn if blocks else torch.int8, device=DEVICE, blocks=blocks)
     assert fusepass.scaled_grouped_mm(*p.args()).shape == (0, 32)
 
 
