@@ -76,9 +76,8 @@ class W8A8Experts(nn.Module):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         act, (T, k) = ACTS[self.act_index], top_k_index.shape
         q, scale, _ = quantize_input(hidden_states, act)
-        rows = torch.arange(T, device=q.device).repeat_interleave(k)  # each token's k routed rows
-        ids = top_k_index.reshape(-1)
-        h = scaled_grouped_mm(q[rows], self.gate_up.transpose(1, 2), scale[rows], _op_scale(self.gate_up_scale), ids,
+        ids = top_k_index.reshape(-1)  # (each token's k routed rows read its one quantized row)
+        h = scaled_grouped_mm(q, self.gate_up.transpose(1, 2), scale, _op_scale(self.gate_up_scale), ids,
                               hidden_states.dtype)
         gate, up = h.chunk(2, dim=-1)
         q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)

@@ -30,17 +30,18 @@ from .scaled_mm import mma
 
 
 @triton.jit
-def _epilogue(acc, rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
+def _epilogue(acc, rows, a_rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
               SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
               HAS_ROW_WEIGHTS: tl.constexpr, BLOCK_SCALES: tl.constexpr):
-    """acc [R, C] of rows ``rows`` and columns ``cols`` (in range) of expert ``e``: fp32, scaled
-    (unless ``BLOCK_SCALES``: already), biased and weighted, before the one rounding."""
+    """acc [R, C] of routed rows ``rows`` (rows ``a_rows`` of ``a``) and columns ``cols`` (in
+    range) of expert ``e``: fp32, scaled (unless ``BLOCK_SCALES``: already), biased and
+    weighted, before the one rounding."""
     if BLOCK_SCALES:
         x = acc
     elif SCALE_A_PER_ROW:
-        sa = tl.load(scale_a_ptr + rows).to(tl.float32)
+        sa = tl.load(scale_a_ptr + a_rows).to(tl.float32)
     else:
-        sa = tl.load(scale_a_ptr + rows * 0).to(tl.float32)
+        sa = tl.load(scale_a_ptr + a_rows * 0).to(tl.float32)
     if not BLOCK_SCALES:
         if SCALE_B_PER_CHANNEL:
             sb = tl.load(scale_b_ptr + e * stride_sbe + cols, mask=cols < N, other=0.0).to(tl.float32)
@@ -69,7 +70,7 @@ def grouped_gemv_kernel(
     a_ptr, b_ptr, out_ptr,  # (M, K); (E, K, N) any strides; (M, N) contiguous
     scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr,  # (M,) or (1,); (E, N) or (E,); (E, N) or None; (M,) or None
     ids_ptr,  # (M,) the rows' experts
-    M, N, K, E,
+    M, N, K, E, A_SHARE,  # A_SHARE: routed rows a row of ``a`` (M / its rows)
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_sbe, stride_biase,
     stride_sam, stride_sag, stride_sbg, stride_sbn,  # block scales: scale_a (M, groups), scale_b (E, groups, blocks)
     SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -77,6 +78,7 @@ def grouped_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
+    a_row = m // A_SHARE
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.load(ids_ptr + m).to(tl.int64)
     valid = (e >= 0) & (e < E)
@@ -88,18 +90,18 @@ def grouped_gemv_kernel(
     b_cols = b_ptr + e * stride_be + cols[None, :] * stride_bn
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(a_ptr + m * stride_am + ks * stride_ak, mask=ks < K, other=0.0)
+        x = tl.load(a_ptr + a_row * stride_am + ks * stride_ak, mask=ks < K, other=0.0)
         w = tl.load(b_cols + ks[:, None] * stride_bk, mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
         if a_ptr.dtype.element_ty == tl.int8:
             acc += tl.sum(x.to(tl.int32)[:, None] * w.to(tl.int32), axis=0)
         elif BLOCK_SCALES:
-            s = _block_scales(m + tl.zeros((1,), dtype=tl.int64), cols, e, k0, scale_a_ptr, scale_b_ptr, stride_sam,
-                              stride_sag, stride_sbe, stride_sbg, stride_sbn, N)
+            s = _block_scales(a_row + tl.zeros((1,), dtype=tl.int64), cols, e, k0, scale_a_ptr, scale_b_ptr,
+                              stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbn, N)
             acc += tl.sum(x.to(tl.float32)[:, None] * w.to(tl.float32), axis=0) * tl.reshape(s, (BLOCK_N,))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)
     rows = m + tl.zeros((1,), dtype=tl.int64)
-    y = _epilogue(acc[None, :], rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
+    y = _epilogue(acc[None, :], rows, rows // A_SHARE, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
                   SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS, BLOCK_SCALES)
     y = tl.where(valid, y, float("nan"))
     tl.store(out_ptr + m * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
@@ -111,7 +113,7 @@ def grouped_mm_kernel(
     scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr,
     rows_ptr,  # (BLOCKS * BLOCK_M,) the rows, sorted by expert, each expert's padded with M
     block_experts_ptr,  # (BLOCKS,) each block's expert: < E, E (rows with no valid expert: NaN), > E (none)
-    M, N, K, E,
+    M, N, K, E, A_SHARE,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_sbe, stride_biase,
     stride_sam, stride_sag, stride_sbg, stride_sbn,  # block scales: scale_a (M, groups), scale_b (E, groups, blocks)
     SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -134,19 +136,20 @@ def grouped_mm_kernel(
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            a_rows = a_ptr + rows[:, None] * stride_am
+            a_rows = rows // A_SHARE
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am
             b_cols = b_ptr + e * stride_be + cols[None, :] * stride_bn
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
-                x = tl.load(a_rows + ks[None, :] * stride_ak, mask=ks[None, :] < K, other=0.0)
+                x = tl.load(a_ptrs + ks[None, :] * stride_ak, mask=ks[None, :] < K, other=0.0)
                 w = tl.load(b_cols + ks[:, None] * stride_bk, mask=(ks[:, None] < K) & (cols[None, :] < N), other=0.0)
                 if BLOCK_SCALES:
                     part = tl.dot(x, w, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), max_num_imprecise_acc=BLOCK_K)
-                    acc += part * _block_scales(rows, cols, e, k0, scale_a_ptr, scale_b_ptr, stride_sam, stride_sag,
+                    acc += part * _block_scales(a_rows, cols, e, k0, scale_a_ptr, scale_b_ptr, stride_sam, stride_sag,
                                                 stride_sbe, stride_sbg, stride_sbn, N)
                 else:
                     acc = mma(x, w, acc, BLOCK_K)
-            y = _epilogue(acc, rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
+            y = _epilogue(acc, rows, a_rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
                           SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS, BLOCK_SCALES)
             tl.store(out_ptr + rows[:, None] * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=out_mask)
 

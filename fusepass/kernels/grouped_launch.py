@@ -47,8 +47,8 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     """The op's CUDA path (and, under Triton's interpreter, CPU tensors): inputs validated by
     ``ops.grouped.check_grouped_args``. Returns the new contiguous (M, N) output. ``tiles``
     overrides ``policy.grouped_tiles`` (tests, benchmarks/bench_grouped.py's sweep)."""
-    M, K = a.shape
-    E, N = b.shape[0], b.shape[2]
+    T, K = a.shape
+    M, E, N = expert_ids.shape[0], b.shape[0], b.shape[2]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     fake = traced(a)
     if statically_known_true(M == 0) or statically_known_true(N == 0) or (INTERPRETED and fake):
@@ -63,9 +63,10 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     else:
         sa, sb, block_strides = _dense(scale_a.reshape(-1)), _dense(scale_b.reshape(E, -1)), (0, 0, 0, 0)
     args = (a, b, out, sa, sb, bias, w)
-    sizes = (M, N, K, E, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), sb.stride(0),
+    share = 1 if statically_known_true(T == M) else M // T  # (routed rows a row of ``a``)
+    sizes = (M, N, K, E, share, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), sb.stride(0),
              0 if bias is None else bias.stride(0), *block_strides)
-    flags = dict(SCALE_A_PER_ROW=blocks or sa.numel() != 1 or M == 1,
+    flags = dict(SCALE_A_PER_ROW=blocks or sa.numel() != 1 or T == 1,
                  SCALE_B_PER_CHANNEL=blocks or sb.shape[1] != 1 or N == 1,
                  HAS_BIAS=bias is not None, HAS_ROW_WEIGHTS=w is not None, BLOCK_SCALES=blocks)
     t = tiles or grouped_tiles(M, N, K, E)

@@ -11,7 +11,9 @@ ids back to the host, which a CUDA graph forbids; a NaN row is never silently a 
 Arguments:
 
 - ``a``: [M, K] int8 or float8_e4m3fn, the quantized rows in any order (a top-k router's
-  token-expert pairs: M = tokens * k; M may be 0);
+  token-expert pairs: M = tokens * k; M may be 0); or [T, K] with M a multiple of T, routed row
+  m reading ``a[m // (M / T)]`` (each token's row once for its k consecutive routed rows: no
+  gather of k copies before the launch); ``scale_a`` then per row of ``a``;
 - ``b``: [E, K, N] of ``a``'s dtype, any strides (usually ``w.transpose(1, 2)`` of the experts'
   stored [E, N, K] weights);
 - ``scale_a``: fp32 (or bf16 / fp16, widened exactly), one value or one per row ([M] / [M, 1]);
@@ -82,17 +84,19 @@ def _check_block_scales(a, scale_a, scale_b, M, K, N, E) -> None:
 
 def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights) -> None:
     """Validate the arguments (module docstring); errors name the argument."""
-    M, K, N = check_operands(OP, a, b, INPUT_DTYPES, experts=True)
+    T, K, N = check_operands(OP, a, b, INPUT_DTYPES, experts=True)
     E = b.shape[0]
     check_out_dtype(OP, out_dtype)
-    if scale_b.dim() == 3:
-        _check_block_scales(a, scale_a, scale_b, M, K, N, E)
-    else:
-        _check_scales(scale_a, scale_b, M, N, E)
     check_tensor(OP, "expert_ids", expert_ids, ID_DTYPES)
-    if tuple(expert_ids.shape) != (M,):
-        raise ValueError(f"{OP}: `expert_ids` must be [M] with M = {M} (one expert a row of `a`); "
-                         f"got {describe(expert_ids)}")
+    M = expert_ids.shape[0] if expert_ids.dim() == 1 else None
+    if M is None or not (M == T or (T > 0 and M % T == 0)):
+        raise ValueError(f"{OP}: `expert_ids` must be [M]: one expert a row of `a` (M = {T}), or a whole number of "
+                         f"experts for each (M a multiple of {T}: a top-k router's k rows a token); got "
+                         f"{describe(expert_ids)}")
+    if scale_b.dim() == 3:
+        _check_block_scales(a, scale_a, scale_b, T, K, N, E)
+    else:
+        _check_scales(scale_a, scale_b, T, N, E)
     tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "expert_ids": expert_ids}
     if bias is not None:
         check_tensor(OP, "bias", bias, BIAS_DTYPES)
@@ -128,7 +132,7 @@ def scaled_grouped_mm_impl(
 
 def scaled_grouped_mm_fake(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None):
     check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
-    return a.new_empty((a.shape[0], b.shape[2]), dtype=out_dtype)
+    return a.new_empty((expert_ids.shape[0], b.shape[2]), dtype=out_dtype)
 
 
 define("scaled_grouped_mm", scaled_grouped_mm_impl, scaled_grouped_mm_fake)

@@ -118,7 +118,11 @@ def scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, 
     1x128 group's product scaled in fp32 as it is summed, as ``scaled_mm_blockwise``'s); a row whose expert
     id is outside [0, E) is NaN. Every row's product with each expert in turn, kept where the row
     is that expert's: exact sums, and no data-dependent shape (a compiled CPU graph traces this)."""
-    M, N, E = a.shape[0], b.shape[2], b.shape[0]
+    M, N, E = expert_ids.shape[0], b.shape[2], b.shape[0]
+    if a.shape[0] != M:  # (each row of ``a`` shared by M / T consecutive routed rows)
+        share = M // a.shape[0]
+        a = a.repeat_interleave(share, 0)
+        scale_a = scale_a.repeat_interleave(share, 0) if scale_a.numel() > 1 else scale_a
     x = torch.full((M, N), float("nan"), dtype=torch.float32, device=a.device)
     blocks = scale_b.dim() == 3  # (per 1x128 group of a row, per 128x128 block of an expert)
     sa = scale_a.to(torch.float32) if blocks else scale_a.to(torch.float32).reshape(-1, 1)

@@ -263,3 +263,16 @@ def test_explain_lists_the_experts_and_what_they_run():
     assert [path for path, _ in report.experts] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert ("  model.layers.1.mlp.experts: fusepass.W8A8Experts (int8, 16 experts): gate/up and down as "
             "fusepass.scaled_grouped_mm, the routing weights in down's epilogue") in str(report).splitlines()
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_a_token_with_an_inf_or_nan_is_nan_not_a_number(kind, bad):
+    model = moe_model("qwen3_moe", blocks=kind == "fp8-block")
+    quantize_experts(model, kind)
+    module = _experts(model)[0]
+    x, index, weights = _routed_inputs(4, module.hidden_dim, 16, 4, seed=5)
+    x[2, 7] = bad
+    with torch.no_grad():
+        out = module(x, index, weights)
+    assert out[2].isnan().all() and torch.isfinite(out[[0, 1, 3]]).all()

@@ -126,3 +126,23 @@ def test_block_scales_with_slices_of_a_group_and_tiles_across_blocks(tiles):
     p = make_grouped(5 if tiles.rows else 20, 2, 4, 300, 200, torch.float8_e4m3fn, device=DEVICE, seed=9, blocks=True)
     out = launch_scaled_grouped_mm(*p.args(), tiles=tiles)
     assert_matches_oracle(out, p, torch.bfloat16, HALF_ULPS)
+
+
+@pytest.mark.parametrize("M", [8, 40])  # (the row kernel and the blocks)
+def test_a_row_with_a_nan_scale_is_nan(M):
+    p = make_grouped(M, 1, 8, 48, 64, device=DEVICE, seed=M)
+    p.scale_a[3] = float("nan")  # (a row quantized from an inf or NaN: its scale is NaN)
+    out = launch_scaled_grouped_mm(*p.args())
+    assert out[3].isnan().all() and torch.isfinite(out[torch.arange(M, device=out.device) != 3]).all()
+
+
+@pytest.mark.parametrize("tokens,top_k", [(2, 8), (10, 4)])  # (the row kernel and the blocks)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8-block"])
+def test_the_kernels_with_a_row_of_a_a_token(tokens, top_k, dtype):
+    blocks = dtype != torch.int8
+    p = make_grouped(tokens, top_k, 16, 72, 200, dtype, device=DEVICE, seed=tokens, blocks=blocks)
+    a, sa = p.a[::top_k].contiguous(), p.scale_a[::top_k].contiguous()
+    p.a, p.scale_a = a.repeat_interleave(top_k, 0), sa.repeat_interleave(top_k, 0)
+    want = launch_scaled_grouped_mm(*p.args(torch.float32))
+    got = launch_scaled_grouped_mm(a, *p.args(torch.float32)[1:2], sa, *p.args(torch.float32)[3:])
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

@@ -102,7 +102,10 @@ def _bad(**change):
     (dict(scale_b=torch.ones(4, 31)), ValueError, "`scale_b` must be per expert and channel [E, N] = [4, 32]"),
     (dict(scale_b=torch.ones(4, 32, dtype=torch.int32)), TypeError, "`scale_b` must have dtype float32"),
     (dict(expert_ids=torch.zeros(6)), TypeError, "`expert_ids` must have dtype int32, int64"),
-    (dict(expert_ids=torch.zeros(5, dtype=torch.int64)), ValueError, "`expert_ids` must be [M] with M = 6"),
+    (dict(expert_ids=torch.zeros(5, dtype=torch.int64)), ValueError,
+     "`expert_ids` must be [M]: one expert a row of `a` (M = 6), or a whole number of experts for each (M a multiple "
+     "of 6: a top-k router's k rows a token); got shape (5,)"),
+    (dict(expert_ids=torch.zeros(6, 1, dtype=torch.int64)), ValueError, "`expert_ids` must be [M]: one expert a row"),
     (dict(bias=torch.zeros(32)), ValueError, "`bias` must be [E, N] = [4, 32]"),
     (dict(row_weights=torch.ones(7)), ValueError, "`row_weights` must be [M] or [M, 1] with M = 6"),
     (dict(out_dtype=torch.int8), TypeError, "`out_dtype` must be one of bfloat16, float16, float32"),
@@ -133,3 +136,18 @@ def test_bad_block_scales_are_errors_naming_the_argument(change, message):
     change(p)
     with pytest.raises((ValueError, TypeError), match=message):
         fusepass.scaled_grouped_mm(*p.args())
+
+
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (5, 2), (12, 4)])
+@pytest.mark.parametrize("blocks", [False, True], ids=["per-row", "block-scales"])
+def test_a_row_of_a_shared_by_its_tokens_routed_rows(tokens, top_k, blocks):
+    # ``a`` of one row a token, M = tokens * top_k routed rows: the same as each row repeated
+    dtype = torch.float8_e4m3fn if blocks else torch.int8
+    p = make_grouped(tokens, top_k, 8, 200, 300, dtype, device=DEVICE, seed=tokens, blocks=blocks)
+    shared = make_grouped(tokens, top_k, 8, 200, 300, dtype, device=DEVICE, seed=tokens, blocks=blocks)
+    shared.a, shared.scale_a = p.a[::top_k].clone(), p.scale_a[::top_k].clone()
+    p.a, p.scale_a = shared.a.repeat_interleave(top_k, 0), shared.scale_a.repeat_interleave(top_k, 0)
+    out = fusepass.scaled_grouped_mm(*shared.args())
+    assert out.shape == (tokens * top_k, 200)
+    torch.testing.assert_close(out, fusepass.scaled_grouped_mm(*p.args()), rtol=0, atol=0)
+    assert_matches_oracle(out, p, torch.bfloat16)
