@@ -225,3 +225,29 @@ def test_native_fp8_experts_of_a_ragged_width_are_left_with_the_reason():
     report = fusepass.prepare(holder)
     assert report.experts_left == {"experts": "FP8Experts of hidden size 256 and width 192: whole 128x128 blocks only "
                                               "(multiples of 128)"}
+
+
+def test_a_sharded_checkpoint_is_read_through_its_index(checkpoints, tmp_path):
+    # (the hub's MoE checkpoints come in shards: model-0000i-of-0000n.safetensors and an index)
+    import json
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "sharded"
+    shutil.copytree(checkpoints["olmoe"], path)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    (path / "model.safetensors").unlink()
+    keys = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": keys[::2], "model-00002-of-00002.safetensors": keys[1::2]}
+    for name, part in shards.items():
+        save_file({k: tensors[k] for k in part}, str(path / name), metadata={"format": "pt"})
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, part in shards.items() for k in part}}))
+    model = _load(path)
+    report = fusepass.prepare(model)
+    assert report.experts == {f"model.layers.{i}.mlp.experts": "experts fp8" for i in range(2)}, report
+    module = model.model.layers[1].mlp.experts
+    for got, want in zip((module.gate_up, module.gate_up_scale, module.down, module.down_scale),
+                         _stored(checkpoints["olmoe"], "olmoe", 1)):
+        assert torch.equal(got, want)
