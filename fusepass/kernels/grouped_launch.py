@@ -17,8 +17,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .blockwise import BLOCK
 from .direct import launcher
 from .grouped import grouped_gemv_kernel, grouped_mm_kernel, route_kernel
-from .launch import INTERPRETED, on_device, traced
-from .policy import GroupedTiles, pow2_at_least, grouped_tiles
+from .launch import INTERPRETED, flat, on_device, traced
+from .policy import GroupedTiles, grouped_tiles
 
 ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
 
@@ -34,12 +34,8 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
     rows = torch.empty((blocks * rows_a_block,), dtype=torch.int32, device=device)
     block_experts = torch.empty((blocks,), dtype=torch.int32, device=device)
     launcher(route_kernel, fake)[(1,)](expert_ids, rows, block_experts, M, E, blocks, BLOCK_M=rows_a_block,
-                                       GROUPS=pow2_at_least(E + 2), CHUNK=ROUTE_CHUNK, num_warps=4)
+                                       GROUPS=triton.next_power_of_2(E + 2), CHUNK=ROUTE_CHUNK, num_warps=4)
     return rows, block_experts
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    return t if t.is_contiguous() else t.contiguous()
 
 
 def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,
@@ -55,13 +51,13 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
         return out
     blocks = scale_b.dim() == 3  # (fp8 with 128x128 block scales: ops.grouped)
     # (the kernels read the ids, per-row vectors and a row of per-channel values contiguous)
-    expert_ids, w = _dense(expert_ids), None if row_weights is None else _dense(row_weights.reshape(-1))
-    bias = None if bias is None else _dense(bias)
+    expert_ids, w = flat(expert_ids, fake), flat(row_weights, fake)
+    bias = None if bias is None else bias.contiguous()
     if blocks:
         sa, sb = scale_a, scale_b
         block_strides = (sa.stride(0), sa.stride(1), sb.stride(1), sb.stride(2))
     else:
-        sa, sb, block_strides = _dense(scale_a.reshape(-1)), _dense(scale_b.reshape(E, -1)), (0, 0, 0, 0)
+        sa, sb, block_strides = flat(scale_a, fake), scale_b.reshape(E, -1).contiguous(), (0, 0, 0, 0)
     args = (a, b, out, sa, sb, bias, w)
     share = 1 if statically_known_true(T == M) else M // T  # (routed rows a row of ``a``)
     sizes = (M, N, K, E, share, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), sb.stride(0),

@@ -16,6 +16,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
+import triton
 from torch.fx.experimental.symbolic_shapes import is_concrete_int, statically_known_true
 
 # Above this M, an fp8 product runs as cuBLAS's torch._scaled_mm where that call takes it
@@ -53,11 +54,6 @@ class GroupedTiles:
         return f"blocks {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
 
 
-def pow2_at_least(n: int) -> int:
-    """The least power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def grouped_tiles(M, N, K, E) -> GroupedTiles:
     """The kernel and tiles of ``fusepass.scaled_grouped_mm`` at M rows, E experts of [K, N]
     (the H200 sweep of Qwen3-30B-A3B's and OLMoE's experts: docs/PERFORMANCE.md, "Mixture of
@@ -68,8 +64,8 @@ def grouped_tiles(M, N, K, E) -> GroupedTiles:
         tiles = GroupedTiles(False, 16, 128, 256, 8, 3)
     else:
         tiles = GroupedTiles(False, 64, 256, 128, 8, 3)
-    return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(16, pow2_at_least(N))),
-                        min(tiles.block_k, max(32, pow2_at_least(K))), tiles.num_warps, tiles.num_stages)
+    return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(16, triton.next_power_of_2(N))),
+                        min(tiles.block_k, max(32, triton.next_power_of_2(K))), tiles.num_warps, tiles.num_stages)
 
 
 @dataclass(frozen=True)
