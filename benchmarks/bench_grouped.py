@@ -52,7 +52,7 @@ DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 SWEPT = "int8 at "  # the name of a swept tile's row: SWEPT + its tiles
 TOL = 2e-2  # relative Frobenius error of a bf16 result against the float reference
 # --sweep: (rows kernel?, block_m, block_n, block_k, warps, stages)
-SWEEP = [GroupedTiles(True, 1, n, k, w, 1) for n in (16, 32, 64) for k in (128, 256, 512) for w in (4, 8)] + [
+SWEEP = [GroupedTiles(True, 1, n, k, w, 3) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (2, 4)] + [
     GroupedTiles(False, *t) for t in ((16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (16, 128, 256, 8, 3),
                                       (32, 128, 128, 4, 4), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3),
                                       (128, 256, 128, 8, 3))]
@@ -161,7 +161,8 @@ def bench_point(proj: str, E, K, N, k, M, device, l2_bytes: int, smoke: bool, sw
         if us.get(name) is None:
             continue
         read = statistics.mean(c[-1] for c in calls)
-        tiles = impls.get(name, (None, None))[1] or (grouped_tiles(M, N, K, E) if name in impls else None)
+        # (the policy's, for the weights' layout: [E, N, K] transposed, contiguous along K)
+        tiles = impls.get(name, (None, None))[1] or (grouped_tiles(M, N, K, E, True) if name in impls else None)
         rows.append({"proj": proj, "E": E, "K": K, "N": N, "M": M, "impl": name, "us": round(us[name], 2),
                      "TBps": round(read / us[name] / 1e6, 3), "rel_err": err, "tiles": tiles and str(tiles)})
     return rows

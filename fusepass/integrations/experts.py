@@ -23,7 +23,8 @@ from torch import nn
 
 from ..ops.dynamic import quantize_rows
 from ..ops.grouped import scaled_grouped_mm
-from .linear import ACTS, FP8_MAX, Act, act_index, keeping_dtypes, quantize_input
+from ..ops.grouped_dynamic import scaled_grouped_mm_dynamic
+from .linear import ACTS, FP8_MAX, Act, act_index, keeping_dtypes, quantize_input, row_recipe
 from .replacing import replacing_loses
 
 KINDS = ("int8", "fp8", "fp8-block")
@@ -80,14 +81,30 @@ class W8A8Experts(nn.Module):
         h = scaled_grouped_mm(q, self.gate_up.transpose(1, 2), scale, _op_scale(self.gate_up_scale), ids,
                               hidden_states.dtype)
         gate, up = h.chunk(2, dim=-1)
-        q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)
-        y = scaled_grouped_mm(q2, self.down.transpose(1, 2), scale2, _op_scale(self.down_scale), ids, torch.float32,
-                              row_weights=top_k_weights.reshape(-1))
+        down, down_scale, weights = self.down.transpose(1, 2), _op_scale(self.down_scale), top_k_weights.reshape(-1)
+        if act.kind in ("int8", "fp8") and act.ceiling is None and is_silu(self.act_fn):
+            # (SiLU-mul and quantization inside down's kernel at decode: ops/grouped_dynamic.py)
+            y = scaled_grouped_mm_dynamic(up, down, down_scale, ids, torch.float32, row_weights=weights,
+                                          divisor=row_recipe(act)[0], floor=row_recipe(act)[1], gate=gate)
+        else:
+            q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)
+            y = scaled_grouped_mm(q2, down, scale2, down_scale, ids, torch.float32, row_weights=weights)
         return y.view(T, k, self.hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
                 f"act={self.act.kind}")
+
+
+def is_silu(fn) -> bool:
+    """``fn`` is SiLU itself (torch's module or function, transformers' ``SiLUActivation``), which
+    the down kernel computes on its own (``ops.grouped_dynamic``): not a subclass, nor an
+    instance whose forward was replaced."""
+    if fn is torch.nn.functional.silu:
+        return True
+    cls = type(fn)
+    plain = "forward" not in getattr(fn, "__dict__", {})
+    return plain and (cls is nn.SiLU or (cls.__name__ == "SiLUActivation" and cls.__module__ == "transformers.activations"))
 
 
 def _op_scale(scale: torch.Tensor) -> torch.Tensor:

@@ -96,7 +96,13 @@ def quantize_input(x: torch.Tensor, act: Act, input_scale: torch.Tensor | None =
         return q, scale, zp.to(torch.int32).reshape(-1)
     if act.kind == "fp8":
         return *quantize_rows(x, torch.float8_e4m3fn, FP8_MAX, act.floor, ceiling=act.ceiling), None
-    return *quantize_rows(x, torch.int8, act.divisor, SCALE_EPS), None
+    return *quantize_rows(x, torch.int8, *row_recipe(act)), None
+
+
+def row_recipe(act: Act) -> tuple[float, float]:
+    """(divisor, floor) of ``quantize_rows`` for a symmetric per-row act, ``int8`` or ``fp8`` (with
+    no ceiling), in the order the dtype's own recipe takes them (``policy.floors_first``)."""
+    return (FP8_MAX, act.floor) if act.kind == "fp8" else (act.divisor, SCALE_EPS)
 
 
 def bad_input_scale(t: torch.Tensor | None) -> str | None:

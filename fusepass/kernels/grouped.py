@@ -7,7 +7,11 @@ Two kernels, chosen by ``grouped_launch.py``:
 
 - ``grouped_gemv_kernel`` (a few rows: decode): a program a row and ``BLOCK_N`` columns; it
   reads the row's expert id and streams that expert's [K, BLOCK_N] slice of ``b``, so a step
-  reads only the routed experts' weights, with no routing work before the launch;
+  reads only the routed experts' weights, with no routing work before the launch. Where ``b``
+  is contiguous along K (transformers' [E, N, K] experts, transposed) its main loop is the M = 1
+  kernel's (``gemv.gemv_rows``: rows of ``b.T`` in wide loads, int8 by ``dp4a``), and it may take
+  float rows and quantize (and gate) each itself (``ops/grouped_dynamic.py``: QUANT, GATED);
+  otherwise, and for block scales, [BLOCK_K, BLOCK_N] tiles of any strides;
 - ``grouped_mm_kernel`` (many rows: prefill): the rows sorted by expert into blocks of
   ``BLOCK_M`` rows of one expert each (``grouped_launch.route``: padded with the sentinel row M,
   a block list of fixed length), a program a block and ``BLOCK_N`` columns; the rows are
@@ -26,18 +30,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .gemv import gemv_rows, row_scale
 from .scaled_mm import mma
 
 
 @triton.jit
 def _epilogue(acc, rows, a_rows, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
               SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-              HAS_ROW_WEIGHTS: tl.constexpr, BLOCK_SCALES: tl.constexpr):
+              HAS_ROW_WEIGHTS: tl.constexpr, BLOCK_SCALES: tl.constexpr, x_scale=1.0, QUANT: tl.constexpr = False):
     """acc [R, C] of routed rows ``rows`` (rows ``a_rows`` of ``a``) and columns ``cols`` (in
     range) of expert ``e``: fp32, scaled (unless ``BLOCK_SCALES``: already), biased and
-    weighted, before the one rounding."""
+    weighted, before the one rounding. QUANT: the row's scale is ``x_scale`` (the kernel's own)."""
     if BLOCK_SCALES:
         x = acc
+    elif QUANT:
+        sa = x_scale + tl.zeros(rows.shape, dtype=tl.float32)
     elif SCALE_A_PER_ROW:
         sa = tl.load(scale_a_ptr + a_rows).to(tl.float32)
     else:
@@ -70,19 +77,57 @@ def grouped_gemv_kernel(
     a_ptr, b_ptr, out_ptr,  # (M, K); (E, K, N) any strides; (M, N) contiguous
     scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr,  # (M,) or (1,); (E, N) or (E,); (E, N) or None; (M,) or None
     ids_ptr,  # (M,) the rows' experts
+    g_ptr,  # GATED: the gates, with a's strides; else None
     M, N, K, E, A_SHARE,  # A_SHARE: routed rows a row of ``a`` (M / its rows)
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_sbe, stride_biase,
     stride_sam, stride_sag, stride_sbg, stride_sbn,  # block scales: scale_a (M, groups), scale_b (E, groups, blocks)
     SCALE_A_PER_ROW: tl.constexpr, SCALE_B_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_ROW_WEIGHTS: tl.constexpr, BLOCK_SCALES: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_CONTIG: tl.constexpr,  # b contiguous along K, not BLOCK_SCALES: gemv.py's main loop
+    EVEN_K: tl.constexpr,  # K_CONTIG: K % BLOCK_K == 0
+    DP4A: tl.constexpr,  # K_CONTIG: gemv_rows' DP4A (launch.dp4a_rows of each expert)
+    # K_CONTIG: a is a float row quantized per token here (gemv.py's QUANT, its recipe), where
+    # GATED the row silu(g) * a (scale_a_ptr unused)
+    QUANT: tl.constexpr, DIVISOR: tl.constexpr, FLOOR: tl.constexpr, GATED: tl.constexpr, FLOOR_FIRST: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     a_row = m // A_SHARE
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     e = tl.load(ids_ptr + m).to(tl.int64)
     valid = (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
+    # (the stores' addresses from values computed here: Inductor's analysis of which arguments
+    # a kernel writes counts every pointer passed to a helper whose result reaches a store's
+    # address as written, and functionalization then copies those weights)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_scale = 1.0
+    if K_CONTIG:
+        row_ptr, gate_ptr = a_ptr + a_row * stride_am, g_ptr
+        if GATED:
+            gate_ptr = g_ptr + a_row * stride_am
+        if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
+            x_scale = row_scale(row_ptr, gate_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED, FLOOR_FIRST)
+        acc, _, _ = gemv_rows(tl.program_id(1), row_ptr, b_ptr + e * stride_be, N, K, stride_ak, stride_bn, BLOCK_N,
+                                 BLOCK_K, EVEN_K, x_scale, QUANT, gate_ptr, GATED, DP4A)
+    else:
+        acc = _rows_any_strides(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, a_row, e, cols.to(tl.int64), N, K, stride_am,
+                                stride_ak, stride_be, stride_bk, stride_bn, stride_sam, stride_sag, stride_sbe, stride_sbg,
+                                stride_sbn, BLOCK_SCALES, BLOCK_N, BLOCK_K)
+    rows = m + tl.zeros((1,), dtype=tl.int64)
+    y = _epilogue(acc[None, :], rows, rows // A_SHARE, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe,
+                  stride_biase, N, SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS, BLOCK_SCALES, x_scale,
+                  QUANT)
+    y = tl.where(valid, y, float("nan"))
+    tl.store(out_ptr + m * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
+
+
+@triton.jit
+def _rows_any_strides(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, a_row, e, cols, N, K, stride_am, stride_ak, stride_be,
+                      stride_bk, stride_bn, stride_sam, stride_sag, stride_sbe, stride_sbg, stride_sbn,
+                      BLOCK_SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The row kernel's main loop for any strides of ``b`` and for block scales: acc (BLOCK_N,) of
+    row ``a_row`` times expert ``e``'s [K, BLOCK_N] slice at columns ``cols``, read as
+    [BLOCK_K, BLOCK_N] tiles; with BLOCK_SCALES each slice scaled as it is added (fp32)."""
     if a_ptr.dtype.element_ty == tl.int8:
         acc = tl.zeros((BLOCK_N,), dtype=tl.int32)
     else:
@@ -100,11 +145,7 @@ def grouped_gemv_kernel(
             acc += tl.sum(x.to(tl.float32)[:, None] * w.to(tl.float32), axis=0) * tl.reshape(s, (BLOCK_N,))
         else:
             acc += tl.sum(x.to(tl.float32)[:, None] * w.to(tl.float32), axis=0)
-    rows = m + tl.zeros((1,), dtype=tl.int64)
-    y = _epilogue(acc[None, :], rows, rows // A_SHARE, cols, e, scale_a_ptr, scale_b_ptr, bias_ptr, w_ptr, stride_sbe, stride_biase, N,
-                  SCALE_A_PER_ROW, SCALE_B_PER_CHANNEL, HAS_BIAS, HAS_ROW_WEIGHTS, BLOCK_SCALES)
-    y = tl.where(valid, y, float("nan"))
-    tl.store(out_ptr + m * N + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=cols[None, :] < N)
+    return acc
 
 
 @triton.jit
@@ -161,55 +202,97 @@ def _row_of(one_hot, values):
 
 
 @triton.jit
-def _group(ids_ptr, offs, M, E, GROUPS: tl.constexpr):
-    """Each row's group: its expert, E where its id is outside [0, E) (compared in the ids' own
-    dtype: an int64 id is not wrapped), GROUPS - 1 past M (a group no block takes)."""
-    ids = tl.load(ids_ptr + offs, mask=offs < M, other=0)
+def _group(ids, offs, M, E, GROUPS: tl.constexpr):
+    """Each row's group, given its id (loaded): its expert, E where its id is outside [0, E)
+    (compared in the ids' own dtype: an int64 id is not wrapped), GROUPS - 1 from row M on (a
+    group no block takes). (The route kernels load the ids themselves: a helper given a pointer
+    would count as writing it, ``grouped_gemv_kernel``'s note.)"""
     key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
     return tl.where(offs < M, key, GROUPS - 1)
 
 
 @triton.jit
+def _counts(key, GROUPS: tl.constexpr):
+    """[GROUPS]: the rows of each group among the keys (sums of one-hot rows: no shared-memory histogram)."""
+    return tl.sum((key[:, None] == tl.arange(0, GROUPS)[None, :]).to(tl.int32), axis=0)
+
+
+@triton.jit
+def route_count_kernel(
+    ids_ptr,  # (M,) the rows' experts
+    counts_ptr,  # (programs, GROUPS) out: each span's rows a group
+    M, E, SPAN,
+    GROUPS: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """``route_kernel``'s first step where it runs in several programs: the group counts of each
+    span of SPAN rows (a program a span)."""
+    p = tl.program_id(0)
+    end = tl.minimum(p * SPAN + SPAN, M)
+    counts = tl.zeros((GROUPS,), dtype=tl.int32)
+    for c0 in range(p * SPAN, end, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        counts += _counts(_group(tl.load(ids_ptr + offs, mask=offs < end, other=0), offs, end, E, GROUPS), GROUPS)
+    groups = tl.arange(0, GROUPS)
+    tl.store(counts_ptr + p * GROUPS + groups, tl.where(groups <= E, counts, 0))
+
+
+@triton.jit
 def route_kernel(
     ids_ptr,  # (M,) the rows' experts
+    counts_ptr,  # COUNTED: (PROGRAMS, GROUPS), route_count_kernel's; else None
     rows_ptr,  # (BLOCKS * BLOCK_M,) out: the rows sorted by expert, each expert's padded with M
     block_experts_ptr,  # (BLOCKS,) out: each block's expert (E: rows with no valid expert; E + 1: unused)
-    M, E, BLOCKS,
+    M, E, BLOCKS, SPAN, PROGRAMS,  # a program a span of SPAN rows (one program: SPAN >= M)
     BLOCK_M: tl.constexpr,  # the sorted kernel's rows a block
     GROUPS: tl.constexpr,  # a power of two > E + 1: groups 0..E-1 the experts, E invalid ids, the rest unused
     CHUNK: tl.constexpr,
+    COUNTED: tl.constexpr,  # PROGRAMS > 1: the spans' counts come from route_count_kernel
 ):
-    """The sorted kernel's row order in one program (``grouped_launch.route``'s contract): each
-    expert's rows in their order, padded to whole blocks, the experts in order, then the rows
-    whose id is outside [0, E). Three passes over the ids: count each group's rows; each row's
-    place (its group's start, the rows of its group before it); each block's group. Counts are
-    sums of one-hot rows (no shared-memory histogram). ``ids`` contiguous."""
+    """The sorted kernel's row order (``grouped_launch.route``'s contract): each expert's rows in
+    their order, padded to whole blocks, the experts in order, then the rows whose id is outside
+    [0, E). Each program places its span's rows: a row's place is its group's start, plus the
+    group's rows in earlier spans (COUNTED: the counts' rows before this program's) and earlier
+    in its span. The group sizes are the counts' sums (or, in one program, its own count).
+    Padding slots, unused slots and the blocks' experts are spread over the programs; every slot
+    is written once. ``ids`` contiguous."""
+    p = tl.program_id(0)
     groups = tl.arange(0, GROUPS)
-    counts = tl.zeros((GROUPS,), dtype=tl.int32)
-    for c0 in range(0, M, CHUNK):
-        offs = c0 + tl.arange(0, CHUNK)
-        key = _group(ids_ptr, offs, M, E, GROUPS)
-        counts += tl.sum((key[:, None] == groups[None, :]).to(tl.int32), axis=0)
-    counts = tl.where(groups <= E, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    if COUNTED:
+        total = tl.zeros((GROUPS,), dtype=tl.int32)
+        seen = tl.zeros((GROUPS,), dtype=tl.int32)  # the group's rows in earlier spans
+        for q0 in range(0, PROGRAMS, CHUNK):
+            spans = q0 + tl.arange(0, CHUNK)
+            c = tl.load(counts_ptr + spans[:, None] * GROUPS + groups[None, :], mask=spans[:, None] < PROGRAMS, other=0)
+            total += tl.sum(c, axis=0)
+            seen += tl.sum(tl.where(spans[:, None] < p, c, 0), axis=0)
+    else:
+        total = tl.zeros((GROUPS,), dtype=tl.int32)
+        for c0 in range(0, M, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            total += _counts(_group(tl.load(ids_ptr + offs, mask=offs < M, other=0), offs, M, E, GROUPS), GROUPS)
+        total = tl.where(groups <= E, total, 0)
+        seen = tl.zeros((GROUPS,), dtype=tl.int32)
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, axis=0)
     pad_start = pad_end - padded
-    for s0 in range(0, BLOCKS * BLOCK_M, CHUNK):  # every slot the sentinel M first
-        slots = s0 + tl.arange(0, CHUNK)
-        tl.store(rows_ptr + slots, M, mask=slots < BLOCKS * BLOCK_M)
-    tl.debug_barrier()
-    seen = tl.zeros((GROUPS,), dtype=tl.int32)
     before = tl.arange(0, CHUNK)[None, :] < tl.arange(0, CHUNK)[:, None]  # [i, j]: row j comes before row i
-    for c0 in range(0, M, CHUNK):
+    end = tl.minimum(p * SPAN + SPAN, M)
+    for c0 in range(p * SPAN, end, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        key = _group(ids_ptr, offs, M, E, GROUPS)
+        key = _group(tl.load(ids_ptr + offs, mask=offs < end, other=0), offs, end, E, GROUPS)
         one_hot = key[:, None] == groups[None, :]
         rank = tl.sum(((key[None, :] == key[:, None]) & before).to(tl.int32), axis=1)
-        place = _row_of(one_hot, pad_start) + _row_of(one_hot, seen) + rank
-        tl.store(rows_ptr + place, offs, mask=offs < M)
+        tl.store(rows_ptr + _row_of(one_hot, pad_start + seen) + rank, offs, mask=offs < end)
         seen += tl.sum(one_hot.to(tl.int32), axis=0)
-    for b0 in range(0, BLOCKS, CHUNK):
+    if p == 0:  # each group's padding: the slots of its last block past its rows
+        j = tl.arange(0, BLOCK_M)
+        tl.store(rows_ptr + (pad_start + total)[:, None] + j[None, :], M, mask=j[None, :] < (padded - total)[:, None])
+    slots = BLOCKS * BLOCK_M
+    for s0 in range(tl.sum(padded, axis=0) + p * CHUNK, slots, PROGRAMS * CHUNK):  # the unused blocks' slots
+        offs = s0 + tl.arange(0, CHUNK)
+        tl.store(rows_ptr + offs, M, mask=offs < slots)
+    ends = tl.where(groups <= E, pad_end, 2147483647)
+    for b0 in range(p * CHUNK, BLOCKS, PROGRAMS * CHUNK):
         blocks = b0 + tl.arange(0, CHUNK)
-        ends = tl.where(groups <= E, pad_end, 2147483647)
         expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < BLOCKS)

@@ -8,7 +8,7 @@ eagerly through ``direct.launcher``, traced as a ``wrap_triton`` node Inductor l
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -16,33 +16,69 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .blockwise import BLOCK
 from .direct import launcher
-from .grouped import grouped_gemv_kernel, grouped_mm_kernel, route_kernel
-from .launch import INTERPRETED, flat, on_device, traced
-from .policy import GroupedTiles, grouped_tiles
+from .grouped import grouped_gemv_kernel, grouped_mm_kernel, route_count_kernel, route_kernel
+from .launch import INTERPRETED, dp4a_rows, flat, on_device, traced
+from .policy import GroupedTiles, floors_first, grouped_tiles
 
 ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
+# Up to this many rows, route_kernel runs as one program; above, a program a chunk of rows, after
+# route_count_kernel's counts (one program took 1.8 ms for 16384 rows on an H200).
+ROUTE_ONE_PROGRAM_MAX_M = 256
 
 
 def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, block_experts) of the sorted kernel, in one launch of ``route_kernel``: the row
-    indices sorted by expert (stable), each expert's run padded to whole blocks of
-    ``rows_a_block`` with the sentinel M, in a list of fixed length (M plus a block's padding an
-    expert, rounded to blocks); and each block's expert: that expert, E for the rows whose id is
-    outside [0, E) (stored as NaN), E + 1 for the unused blocks at the end. int32."""
+    """(rows, block_experts) of the sorted kernel: the row indices sorted by expert (stable), each
+    expert's run padded to whole blocks of ``rows_a_block`` with the sentinel M, in a list of
+    fixed length (M plus a block's padding an expert, rounded to blocks); and each block's expert:
+    that expert, E for the rows whose id is outside [0, E) (stored as NaN), E + 1 for the unused
+    blocks at the end. int32. One launch of ``route_kernel`` up to ROUTE_ONE_PROGRAM_MAX_M rows;
+    above, ``route_count_kernel``'s then ``route_kernel``'s, a program a chunk of rows."""
     M, device = expert_ids.shape[0], expert_ids.device
     blocks = (M + (E + 1) * (rows_a_block - 1) + rows_a_block - 1) // rows_a_block
     rows = torch.empty((blocks * rows_a_block,), dtype=torch.int32, device=device)
     block_experts = torch.empty((blocks,), dtype=torch.int32, device=device)
-    launcher(route_kernel, fake)[(1,)](expert_ids, rows, block_experts, M, E, blocks, BLOCK_M=rows_a_block,
-                                       GROUPS=triton.next_power_of_2(E + 2), CHUNK=ROUTE_CHUNK, num_warps=4)
+    groups = triton.next_power_of_2(E + 2)
+    sizes = dict(GROUPS=groups, CHUNK=ROUTE_CHUNK, num_warps=4)
+    if statically_known_true(M <= ROUTE_ONE_PROGRAM_MAX_M):
+        launcher(route_kernel, fake)[(1,)](expert_ids, None, rows, block_experts, M, E, blocks, M, 1,
+                                           BLOCK_M=rows_a_block, COUNTED=False, **sizes)
+        return rows, block_experts
+    programs = (M + ROUTE_CHUNK - 1) // ROUTE_CHUNK
+    counts = torch.empty((programs, groups), dtype=torch.int32, device=device)
+    launcher(route_count_kernel, fake)[(programs,)](expert_ids, counts, M, E, ROUTE_CHUNK, **sizes)
+    launcher(route_kernel, fake)[(programs,)](expert_ids, counts, rows, block_experts, M, E, blocks, ROUTE_CHUNK,
+                                              programs, BLOCK_M=rows_a_block, COUNTED=True, **sizes)
     return rows, block_experts
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How the row kernel quantizes its float rows (``ops.grouped_dynamic``): ``quantize_rows``'
+    divisor, floor and order, and the gates where the rows are ``silu(gate) * x``."""
+
+    divisor: float
+    floor: float
+    floor_first: bool | None = None
+    gate: torch.Tensor | None = None
+
+
+def grouped_quantizes(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, expert_ids: torch.Tensor) -> bool:
+    """Where ``launch_scaled_grouped_mm`` takes a float ``x`` and a ``Recipe``: the row kernel's
+    rows (``policy.grouped_tiles``), an int8 or e4m3 ``b`` contiguous along K, scales per channel
+    or per expert (not per block)."""
+    M, E, K, N = expert_ids.shape[0], b.shape[0], b.shape[1], b.shape[2]
+    k_contig = statically_known_true(b.stride(1) == 1)
+    return (b.dtype in (torch.int8, torch.float8_e4m3fn) and scale_b.dim() != 3 and k_contig
+            and grouped_tiles(M, N, K, E, k_contig).rows)
+
+
 def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,
-                             tiles: GroupedTiles | None = None):
+                             tiles: GroupedTiles | None = None, recipe: Recipe | None = None):
     """The op's CUDA path (and, under Triton's interpreter, CPU tensors): inputs validated by
     ``ops.grouped.check_grouped_args``. Returns the new contiguous (M, N) output. ``tiles``
-    overrides ``policy.grouped_tiles`` (tests, benchmarks/bench_grouped.py's sweep)."""
+    overrides ``policy.grouped_tiles`` (tests, benchmarks/bench_grouped.py's sweep). ``recipe``
+    (where ``grouped_quantizes``): ``a`` is a float [M, K], quantized per row in the row kernel
+    (``ops.grouped_dynamic``), ``scale_a`` None."""
     T, K = a.shape
     M, E, N = expert_ids.shape[0], b.shape[0], b.shape[2]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -59,21 +95,33 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     else:
         sa, sb, block_strides = flat(scale_a, fake), scale_b.reshape(E, -1).contiguous(), (0, 0, 0, 0)
     args = (a, b, out, sa, sb, bias, w)
+    gate = None if recipe is None else recipe.gate
     share = 1 if statically_known_true(T == M) else M // T  # (routed rows a row of ``a``)
     sizes = (M, N, K, E, share, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), sb.stride(0),
              0 if bias is None else bias.stride(0), *block_strides)
-    flags = dict(SCALE_A_PER_ROW=blocks or sa.numel() != 1 or T == 1,
+    flags = dict(SCALE_A_PER_ROW=blocks or sa is None or sa.numel() != 1 or T == 1,
                  SCALE_B_PER_CHANNEL=blocks or sb.shape[1] != 1 or N == 1,
                  HAS_BIAS=bias is not None, HAS_ROW_WEIGHTS=w is not None, BLOCK_SCALES=blocks)
-    t = tiles or grouped_tiles(M, N, K, E)
+    # (the row kernel's gemv.py loop: rows of b.T, contiguous along K; block scales keep the tiles')
+    k_contig = not blocks and statically_known_true(b.stride(1) == 1)
+    t = tiles or grouped_tiles(M, N, K, E, k_contig, recipe is not None)
     if blocks and t.block_k > BLOCK:  # (a K slice within one group of the scales)
         t = replace(t, block_k=BLOCK)
     tiling = dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
 
     def launch():
         if t.rows:
-            launcher(grouped_gemv_kernel, fake)[(M, triton.cdiv(N, t.block_n))](*args, expert_ids, *sizes, **flags,
-                                                                               **tiling)
+            even_k = k_contig and statically_known_true(K % t.block_k == 0)
+            # (each expert's rows as aligned as the first's: its stride whole 16-byte lines)
+            dp4a = (even_k and statically_known_true(b.stride(0) % 16 == 0)
+                    and dp4a_rows(b[0], t.block_k, even_k, fake))
+            # (every constexpr named: the direct launcher and wrap_triton take no defaults)
+            quant = dict(QUANT=False, DIVISOR=1.0, FLOOR=0.0, GATED=False, FLOOR_FIRST=False) if recipe is None else dict(
+                QUANT=True, DIVISOR=float(recipe.divisor), FLOOR=float(recipe.floor), GATED=gate is not None,
+                FLOOR_FIRST=floors_first(b.dtype, recipe.floor_first))
+            launcher(grouped_gemv_kernel, fake)[(M, triton.cdiv(N, t.block_n))](
+                *args, expert_ids, gate, *sizes, **flags, **tiling, K_CONTIG=k_contig, EVEN_K=even_k, DP4A=dp4a,
+                **quant)
         else:
             rows, block_experts = route(expert_ids, E, t.block_m, fake)
             grid = (block_experts.shape[0], triton.cdiv(N, t.block_n))

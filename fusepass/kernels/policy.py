@@ -54,17 +54,25 @@ class GroupedTiles:
         return f"blocks {self.block_m}x{self.block_n}x{self.block_k} w{self.num_warps} s{self.num_stages}"
 
 
-def grouped_tiles(M, N, K, E) -> GroupedTiles:
+def grouped_tiles(M, N, K, E, contiguous_k: bool = False, quantizing: bool = False) -> GroupedTiles:
     """The kernel and tiles of ``fusepass.scaled_grouped_mm`` at M rows, E experts of [K, N]
-    (the H200 sweep of Qwen3-30B-A3B's and OLMoE's experts: docs/PERFORMANCE.md, "Mixture of
-    experts"). A symbolic M takes the prefill tiles. Tiles no wider than N and K need."""
-    if statically_known_true(M <= GROUPED_ROWS_MAX_M):
+    (the H200 sweeps of Qwen3-30B-A3B's and OLMoE's experts: docs/PERFORMANCE.md, "Mixture of
+    experts"); ``contiguous_k``: the row kernel reads rows of ``b.T`` (gemv.py's loop: 8 of them
+    a program, 2 warps, a block that divides K where one of 256 or 512 does); ``quantizing``:
+    it also quantizes (and gates) its rows (``scaled_grouped_mm_dynamic``), which each program
+    does for itself, so 32 of them a program. A symbolic M takes the prefill tiles. Tiles no
+    wider than N and K need."""
+    if statically_known_true(M <= GROUPED_ROWS_MAX_M) and contiguous_k:
+        block_k = next((k for k in (512, 256) if statically_known_true(K % k == 0)), 512)
+        tiles = GroupedTiles(True, 1, 32 if quantizing else 8, block_k, 2, 3)
+    elif statically_known_true(M <= GROUPED_ROWS_MAX_M):
         tiles = GroupedTiles(True, 1, 32, 512 if K >= 2048 else 256, 4, 1)
     elif is_concrete_int(M) and int(M) <= GROUPED_SMALL_BLOCKS_MAX_ROWS * E:
         tiles = GroupedTiles(False, 16, 128, 256, 8, 3)
     else:
         tiles = GroupedTiles(False, 64, 256, 128, 8, 3)
-    return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(16, triton.next_power_of_2(N))),
+    narrowest = 8 if tiles.rows else 16
+    return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(narrowest, triton.next_power_of_2(N))),
                         min(tiles.block_k, max(32, triton.next_power_of_2(K))), tiles.num_warps, tiles.num_stages)
 
 

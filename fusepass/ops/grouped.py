@@ -62,9 +62,14 @@ def _check_scales(scale_a, scale_b, M, N, E) -> None:
     if not ((scale_a.numel() == 1 and scale_a.dim() <= 2) or is_vector_of(scale_a, M, 0)):
         raise ValueError(f"{OP}: `scale_a` must hold one value or one per row of `a` (M = {M}): numel 1, "
                          f"or shape [{M}] or [{M}, 1]; got {describe(scale_a)}")
-    check_tensor(OP, "scale_b", scale_b, SCALE_DTYPES)
+    check_expert_scales(OP, scale_b, N, E)
+
+
+def check_expert_scales(op: str, scale_b, N, E) -> None:
+    """Weight scales per expert and channel, or one per expert."""
+    check_tensor(op, "scale_b", scale_b, SCALE_DTYPES)
     if tuple(scale_b.shape) not in ((E, N), (E,), (E, 1)):
-        raise ValueError(f"{OP}: `scale_b` must be per expert and channel [E, N] = [{E}, {N}], or one per "
+        raise ValueError(f"{op}: `scale_b` must be per expert and channel [E, N] = [{E}, {N}], or one per "
                          f"expert [{E}] or [{E}, 1]; got {describe(scale_b)}")
 
 
@@ -87,31 +92,43 @@ def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_
     T, K, N = check_operands(OP, a, b, INPUT_DTYPES, experts=True)
     E = b.shape[0]
     check_out_dtype(OP, out_dtype)
-    check_tensor(OP, "expert_ids", expert_ids, ID_DTYPES)
-    M = expert_ids.shape[0] if expert_ids.dim() == 1 else None
-    if M is None or not (M == T or (T > 0 and M % T == 0)):
-        raise ValueError(f"{OP}: `expert_ids` must be [M]: one expert a row of `a` (M = {T}), or a whole number of "
-                         f"experts for each (M a multiple of {T}: a top-k router's k rows a token); got "
-                         f"{describe(expert_ids)}")
+    M = check_expert_ids(OP, expert_ids, T, "a")
     if scale_b.dim() == 3:
         _check_block_scales(a, scale_a, scale_b, T, K, N, E)
     else:
         _check_scales(scale_a, scale_b, T, N, E)
     tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "expert_ids": expert_ids}
+    check_routed_rest(OP, tensors, bias, row_weights, M, K, N, E)
+
+
+def check_expert_ids(op: str, expert_ids, T, rows: str) -> int:
+    """[M] int ids, one a row of ``rows`` (T of them) or a whole number for each; returns M."""
+    check_tensor(op, "expert_ids", expert_ids, ID_DTYPES)
+    M = expert_ids.shape[0] if expert_ids.dim() == 1 else None
+    if M is None or not (M == T or (T > 0 and M % T == 0)):
+        raise ValueError(f"{op}: `expert_ids` must be [M]: one expert a row of `{rows}` (M = {T}), or a whole number "
+                         f"of experts for each (M a multiple of {T}: a top-k router's k rows a token); got "
+                         f"{describe(expert_ids)}")
+    return M
+
+
+def check_routed_rest(op: str, tensors: dict, bias, row_weights, M, K, N, E) -> None:
+    """The bias and row weights, one device for all, K's int8 bound, a GPU that runs the dtype."""
+    b = tensors["b"]
     if bias is not None:
-        check_tensor(OP, "bias", bias, BIAS_DTYPES)
+        check_tensor(op, "bias", bias, BIAS_DTYPES)
         if tuple(bias.shape) != (E, N):
-            raise ValueError(f"{OP}: `bias` must be [E, N] = [{E}, {N}] (one an expert); got {describe(bias)}")
+            raise ValueError(f"{op}: `bias` must be [E, N] = [{E}, {N}] (one an expert); got {describe(bias)}")
         tensors["bias"] = bias
     if row_weights is not None:
-        check_tensor(OP, "row_weights", row_weights, SCALE_DTYPES)
+        check_tensor(op, "row_weights", row_weights, SCALE_DTYPES)
         if not is_vector_of(row_weights, M, 0):
-            raise ValueError(f"{OP}: `row_weights` must be [M] or [M, 1] with M = {M}; got {describe(row_weights)}")
+            raise ValueError(f"{op}: `row_weights` must be [M] or [M, 1] with M = {M}; got {describe(row_weights)}")
         tensors["row_weights"] = row_weights
-    check_devices(OP, tensors)
-    if a.dtype == torch.int8:
-        check_k(OP, K, MAX_K_INT8)
-    check_gpu(OP, a.device, a.dtype)
+    check_devices(op, tensors)
+    if b.dtype == torch.int8:
+        check_k(op, K, MAX_K_INT8)
+    check_gpu(op, b.device, b.dtype)
 
 
 def scaled_grouped_mm_impl(

@@ -21,8 +21,8 @@ def test_smoke_run_checks_every_output_and_names_its_tiles(bench, tmp_path, caps
     assert {(r["proj"], r["M"], r["impl"]) for r in rows} == {
         (p, M, f"fusepass {d}") for p in ("gate_up", "down") for M in bench.SMOKE_MS for d in ("int8", "fp8")}
     assert all(r["rel_err"] < bench.TOL and r["us"] > 0 for r in rows)
-    for r in rows:  # the policy's tiles: the row kernel at decode sizes, blocks above
-        assert r["tiles"] == str(grouped_tiles(r["M"], r["N"], r["K"], r["E"]))
+    for r in rows:  # the policy's tiles (weights contiguous along K): the row kernel at decode sizes, blocks above
+        assert r["tiles"] == str(grouped_tiles(r["M"], r["N"], r["K"], r["E"], contiguous_k=True))
         assert r["tiles"].startswith("rows" if r["M"] <= GROUPED_ROWS_MAX_M else "blocks")
     assert "| gate_up | 8 | 96 | 80 | 2 | fusepass int8 |" in capsys.readouterr().out
 

@@ -20,13 +20,15 @@ COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_a
 
 def moe_model(arch: str, seed: int = 0, blocks: bool = False):
     """A tiny MoE model of transformers' ``arch``; ``blocks``: every linear and expert whole 128x128
-    blocks (hidden 256, head_dim 128, expert width 128 or 256), as native FP8's block scales need."""
+    blocks (hidden 256, head_dim 128, expert width 256), as native FP8's block scales need: two blocks
+    along each of an expert's dimensions (transformers 5.17 saves a scale of one block along one as a
+    vector and loads it back flattened)."""
     import transformers
 
     torch.manual_seed(seed)
     sizes = {**COMMON, **(dict(hidden_size=256, num_attention_heads=2, num_key_value_heads=1) if blocks else {})}
     if arch == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(**sizes, moe_intermediate_size=128 if blocks else 64, num_experts=16,
+        config = transformers.Qwen3MoeConfig(**sizes, moe_intermediate_size=256 if blocks else 64, num_experts=16,
                                              num_experts_per_tok=4, head_dim=128 if blocks else 32)
     elif arch == "mixtral":
         config = transformers.MixtralConfig(**sizes, num_local_experts=8, num_experts_per_tok=2)
@@ -276,3 +278,41 @@ def test_a_token_with_an_inf_or_nan_is_nan_not_a_number(kind, bad):
     with torch.no_grad():
         out = module(x, index, weights)
     assert out[2].isnan().all() and torch.isfinite(out[[0, 1, 3]]).all()
+
+
+def test_silu_is_told_apart():
+    from transformers.activations import ACT2FN
+
+    from fusepass.integrations.experts import is_silu
+
+    assert is_silu(ACT2FN["silu"]) and is_silu(nn.SiLU()) and is_silu(torch.nn.functional.silu)
+    replaced = nn.SiLU()
+    replaced.forward = torch.tanh
+    assert not any(is_silu(f) for f in (ACT2FN["gelu"], lambda x: torch.nn.functional.silu(x), replaced,
+                                        type("MySiLU", (nn.SiLU,), {})()))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8", "fp8-block"])
+def test_down_quantizes_the_gated_rows_in_its_op_where_the_act_is_silu(kind, monkeypatch):
+    """int8 and fp8 per row with SiLU: down is ``scaled_grouped_mm_dynamic`` of gate and up (on a
+    GPU at decode its kernel computes the SiLU-mul and quantization); otherwise, and for
+    fp8-block, the SiLU-mul, the quantization, then ``scaled_grouped_mm``."""
+    import fusepass.integrations.experts as experts
+
+    model = moe_model("qwen3_moe", blocks=kind == "fp8-block").to(DEVICE)
+    quantize_experts(model, kind)
+    module = _experts(model)[0]
+    calls = []
+    real = experts.scaled_grouped_mm_dynamic
+    monkeypatch.setattr(experts, "scaled_grouped_mm_dynamic", lambda *a, **k: calls.append(k) or real(*a, **k))
+    inputs = _routed_inputs(2, module.hidden_dim, 16, 4, seed=3, device=DEVICE)
+    with torch.no_grad():
+        fused = module(*inputs)
+        assert len(calls) == (kind != "fp8-block")
+        module.act_fn = type("MySiLU", (nn.SiLU,), {})()  # (not told SiLU: the unfused path)
+        unfused = module(*inputs)
+    assert len(calls) == (kind != "fp8-block")
+    if DEVICE == "cpu" or kind == "fp8-block":
+        assert torch.equal(fused, unfused)
+    else:  # (Triton's exp in the kernel: a gated value may round to its neighbour)
+        assert ((fused.double() - unfused.double()).norm() / unfused.double().norm()).item() < 1e-2

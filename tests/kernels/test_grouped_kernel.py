@@ -68,8 +68,9 @@ def test_route_sorts_rows_into_blocks_of_one_expert():
     assert all(block_of[r] == (ids[r].item() if ids[r] < 3 else 3) for r in range(M))
 
 
-@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (300, 128, 16), (1000, 64, 64), (130, 3, 4),
-                                               (300, 256, 16)])
+# (one program up to ROUTE_ONE_PROGRAM_MAX_M = 256 rows, then a program a chunk of 64)
+@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (256, 128, 16), (257, 128, 16), (300, 128, 16),
+                                               (1000, 64, 64), (130, 3, 4), (300, 256, 16), (700, 3, 64)])
 def test_route_kernel_is_the_stable_sort(M, E, rows_a_block):
     g = torch.Generator().manual_seed(M + E)
     ids = torch.randint(-1, E + 1, (M,), generator=g)  # (with ids outside [0, E): their own group)
@@ -85,6 +86,12 @@ def test_the_tiles_by_rows_and_rows_an_expert():
     E, K, N = 128, 2048, 1536
     assert str(grouped_tiles(8, N, K, E)) == "rows 32x512 w4"
     assert str(grouped_tiles(8, 2048, 768, E)) == "rows 32x256 w4"  # (down's K)
+    # b contiguous along K (the experts' [E, N, K], transposed): rows of b.T, a block that divides K
+    assert str(grouped_tiles(8, N, K, E, contiguous_k=True)) == "rows 8x512 w2"
+    assert str(grouped_tiles(8, 2048, 768, E, contiguous_k=True)) == "rows 8x256 w2"
+    assert str(grouped_tiles(8, 2048, 768, E, contiguous_k=True, quantizing=True)) == "rows 32x256 w2"
+    assert str(grouped_tiles(8, 4, 96, E, contiguous_k=True)) == "rows 8x128 w2"  # (ragged: K masked)
+    assert str(grouped_tiles(GROUPED_ROWS_MAX_M + 1, N, K, E, contiguous_k=True)) == "blocks 16x128x256 w8 s3"
     assert str(grouped_tiles(GROUPED_ROWS_MAX_M + 1, N, K, E)) == "blocks 16x128x256 w8 s3"
     assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E, N, K, E)) == "blocks 16x128x256 w8 s3"
     assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E + 1, N, K, E)) == "blocks 64x256x128 w8 s3"
@@ -146,3 +153,43 @@ def test_the_kernels_with_a_row_of_a_a_token(tokens, top_k, dtype):
     want = launch_scaled_grouped_mm(*p.args(torch.float32))
     got = launch_scaled_grouped_mm(a, *p.args(torch.float32)[1:2], sa, *p.args(torch.float32)[3:])
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+WRITTEN = {"grouped_gemv_kernel": {"out_ptr"}, "grouped_mm_kernel": {"out_ptr"}, "route_count_kernel": {"counts_ptr"},
+           "route_kernel": {"rows_ptr", "block_experts_ptr"}}
+
+
+def test_every_launch_names_every_argument_and_writes_only_its_outputs(monkeypatch):
+    """Each launch of the grouped kernels (the row kernel plain and quantizing its gated rows,
+    the blocks, both routes) passes every argument: the direct launcher and ``wrap_triton`` bind
+    no defaults (the interpreter, which would take one, runs them here). And Inductor's analysis
+    of the kernels (``tests/support/helpers.written_arguments``) finds it writes its outputs
+    alone: an input it counted as written would be copied by functionalization at every call (a
+    [E, K, N] weight's copy, 240 us, on an H200 before this held)."""
+    from fusepass.kernels import grouped_launch
+    from fusepass.kernels.grouped_launch import Recipe
+    from tests.support.helpers import written_arguments
+
+    launches = []
+
+    def naming_all(kernel, fake):
+        def run(grid):
+            def call(*args, **kwargs):
+                names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.arg_names
+                missing = [n for n in names[len(args):] if n not in kwargs]
+                assert not missing, f"{kernel.__name__}: {missing} not passed"
+                launches.append((kernel, dict(zip(names, args)) | kwargs))
+                return kernel[grid](*args, **kwargs)
+            return call
+        return type("Naming", (), {"__getitem__": lambda self, grid: run(grid)})()
+
+    monkeypatch.setattr(grouped_launch, "launcher", naming_all)
+    for M in (4, 40, 300):  # (the rows; the blocks routed by one program; by a program a chunk)
+        p = make_grouped(M, 1, 8, 24, 64, device=DEVICE, seed=M)
+        launch_scaled_grouped_mm(*p.args())
+    x = torch.randn(4, 64).to(torch.bfloat16).to(DEVICE)
+    p = make_grouped(4, 1, 8, 24, 64, device=DEVICE, seed=1)
+    launch_scaled_grouped_mm(x, p.b, None, p.scale_b, p.expert_ids, torch.float32, recipe=Recipe(127.5, 1e-8, None, x))
+    assert {k.__name__ for k, _ in launches} == set(WRITTEN)
+    for (kernel, _), written in zip(launches, written_arguments(launches)):
+        assert written == WRITTEN[kernel.__name__], kernel.__name__

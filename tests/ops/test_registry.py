@@ -27,6 +27,8 @@ def _args(op: str):
         "scaled_mm_dynamic": (x, b8, sb, BF16, None, 127.5, 1e-12, None, None),
         "scaled_mm_group": (a8, [b8, b8], sa, [sb, sb], BF16, [None, None]),
         "scaled_grouped_mm": (a8, torch.stack([b8, b8]), sa, torch.ones(2, N), torch.tensor([0, 1, 1]), BF16, None, None),
+        "scaled_grouped_mm_dynamic": (x, torch.stack([b8, b8]), torch.ones(2, N), torch.tensor([0, 1, 1]), BF16, None,
+                                      None, 127.5, 1e-12, x, None),
     }[op]
 
 
@@ -39,7 +41,7 @@ OPS = sorted(str(op).removeprefix("fusepass.").removesuffix(".default") for op i
 
 
 def test_every_op_is_registered_one_way():
-    assert OPS == ["int_mm", "scaled_grouped_mm", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise",
+    assert OPS == ["int_mm", "scaled_grouped_mm", "scaled_grouped_mm_dynamic", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise",
                    "scaled_mm_blockwise_dynamic", "scaled_mm_dynamic", "scaled_mm_group"]
     for name in OPS:
         assert getattr(fusepass.ops, name).__doc__  # its Python wrapper, documented

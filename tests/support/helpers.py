@@ -225,3 +225,57 @@ def prepared_step_decisions(model, step: str, batch: int) -> tuple[list, dict]:
     ids = models.prompt(model, batch, 8, seed=2)
     inputs = dict(input_ids=ids) if step == "prefill" else models.decode_inputs(ids, models.static_cache(model, batch, 16))
     return compiled_decisions(model, inputs)
+
+
+def written_arguments(launches: list) -> list[set[str]]:
+    """For each ``(kernel, kwargs)`` launch (every argument by name), the arguments Inductor's
+    analysis finds the kernel writes: its walk of the kernel's Triton IR
+    (``torch._higher_order_ops.triton_kernel_wrap``: ``identify_accessed_tensors``, before torch
+    2.10 ``identify_mutated_tensors``; what it cannot analyse it counts as every input
+    written). In a subprocess without TRITON_INTERPRET (the interpreter's kernels make no IR),
+    for an sm_90 target through a stand-in driver (no GPU needed); tensors by their dtype."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def described(v):
+        if isinstance(v, torch.Tensor):
+            return ["tensor", str(v.dtype).removeprefix("torch.")]
+        return ["none"] if v is None else ["value", v]
+
+    spec = [[getattr(k, "__name__", None) or k.fn.__name__, {n: described(v) for n, v in kw.items()}]
+            for k, kw in launches]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _WRITTEN_SCRIPT], input=json.dumps(spec), capture_output=True,
+                         text=True, env=env, check=True).stdout
+    return [set(names) for names in json.loads(out.splitlines()[-1])]
+
+
+_WRITTEN_SCRIPT = """
+import json, sys
+import torch, triton
+from torch._higher_order_ops import triton_kernel_wrap as wrap
+from triton.backends.compiler import GPUTarget
+from fusepass.kernels import grouped
+
+class Driver:  # (what generate_ttir asks of the active driver)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+    def get_current_device(self):
+        return 0
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+triton.runtime.driver.set_active(Driver())
+found = []
+for name, described in json.load(sys.stdin):
+    kwargs = {n: torch.empty(64, dtype=getattr(torch, d[1])) if d[0] == "tensor" else None if d[0] == "none" else d[1]
+              for n, d in described.items()}
+    kernel = getattr(grouped, name)
+    if hasattr(wrap, "identify_accessed_tensors"):
+        found.append(sorted(d.name for d in wrap.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes))
+    else:
+        found.append(sorted(wrap.identify_mutated_tensors(kernel, kwargs, {})))
+print(json.dumps(found))
+"""
