@@ -1,7 +1,10 @@
 """The mixture-of-experts GEMM benchmark: ``fusepass.scaled_grouped_mm`` (int8 and fp8, per-row
 and per-channel scales, bf16 out) at a MoE model's experts, against bf16 ``torch._grouped_mm``
 (the GEMM of transformers' ``grouped_mm`` experts), at decode (8 rows: batch 1, top-8), batch
-16 and prefill row counts; and, with ``--sweep``, the op's launch at each of a list of tiles.
+16 and prefill row counts; at the row kernel's row counts also down as ``W8A8Experts`` runs it
+there (``fusepass int8 gated``: bf16 gate and up rows, their SiLU-mul quantized in the launch,
+``scaled_grouped_mm_dynamic``'s); and, with ``--sweep``, the op's launch at each of a list of
+tiles.
 
     python benchmarks/bench_grouped.py                                   # both shapes, every M
     python benchmarks/bench_grouped.py --shapes qwen3-30b-a3b --ms 8 --sweep
@@ -40,8 +43,8 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_linear as bl  # noqa: E402  (puts the repo root on sys.path and imports fusepass)
 
-from fusepass.kernels.grouped_launch import launch_scaled_grouped_mm  # noqa: E402
-from fusepass.kernels.policy import GroupedTiles, grouped_tiles  # noqa: E402
+from fusepass.kernels.grouped_launch import Recipe, launch_scaled_grouped_mm  # noqa: E402
+from fusepass.kernels.policy import GROUPED_ROWS_MAX_M, GroupedTiles, grouped_tiles  # noqa: E402
 
 BF16 = torch.bfloat16
 # (experts, hidden, expert width, top-k)
@@ -50,6 +53,8 @@ SMOKE_SHAPE, SMOKE_MS = (8, 96, 40, 2), [2, 40]  # the row kernel's M and the bl
 MS = [8, 128, 1024, 16384]
 DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 SWEPT = "int8 at "  # the name of a swept tile's row: SWEPT + its tiles
+GATED = "fusepass int8 gated"  # down's rows as bf16 gate and up, SiLU-mul and quantization in the launch
+SWEPT_GATED = "int8 gated at "
 TOL = 2e-2  # relative Frobenius error of a bf16 result against the float reference
 # --sweep: (rows kernel?, block_m, block_n, block_k, warps, stages)
 SWEEP = [GroupedTiles(True, 1, n, k, w, 3) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (2, 4)] + [
@@ -81,17 +86,27 @@ def routed_bytes(ids: torch.Tensor, K: int, N: int, element_size: int) -> int:
     return ids.unique().numel() * K * N * element_size
 
 
-def make_call(dtype, w, M, k, device, g, tiles=None):
-    """A call of the op on new rows and routing; with its float reference and routed bytes."""
+def make_call(dtype, w, M, k, device, g, tiles=None, gated=False):
+    """A call of the op on new rows and routing; with its float reference and routed bytes.
+    ``gated``: bf16 gate and up rows, their SiLU-mul quantized per row in the launch
+    (``scaled_grouped_mm_dynamic``'s), against the float product of the SiLU-mul."""
     E, N, K = w.shape
     ids = routing(M, E, k, device, g)
-    a = quantized((M, K), dtype, device, g)
-    sa = torch.rand(M, device=device, generator=g) * 0.02 + 0.001
     sb = torch.rand((E, N), device=device, generator=g) * 0.02 + 0.001
     b = w.transpose(1, 2)
+    if gated:
+        up, gate = (torch.randn((M, K), device=device, generator=g).to(BF16) for _ in range(2))
+        a, sa = torch.nn.functional.silu(gate.float()) * up.float(), torch.ones(M, device=device)
+        recipe = Recipe(127.5 if dtype == torch.int8 else 448.0, torch.finfo(torch.float32).eps, None, gate)
 
-    def call():
-        return launch_scaled_grouped_mm(a, b, sa, sb, ids, BF16, tiles=tiles)
+        def call():
+            return launch_scaled_grouped_mm(up, b, None, sb, ids, BF16, tiles=tiles, recipe=recipe)
+    else:
+        a = quantized((M, K), dtype, device, g)
+        sa = torch.rand(M, device=device, generator=g) * 0.02 + 0.001
+
+        def call():
+            return launch_scaled_grouped_mm(a, b, sa, sb, ids, BF16, tiles=tiles)
 
     def reference():  # (an expert at a time: no [M, N, K] gather at prefill sizes)
         out = torch.zeros((M, N), device=device)
@@ -135,15 +150,20 @@ def bench_point(proj: str, E, K, N, k, M, device, l2_bytes: int, smoke: bool, sw
     """Rows of one (projection, M): each implementation's us a call and TB/s of routed bytes."""
     g = torch.Generator(device=device).manual_seed(M * 7 + N + K)
     weights = {name: quantized((E, N, K), dt, device, g) for name, dt in DTYPES.items()}
-    impls = {f"fusepass {name}": (dt, None) for name, dt in DTYPES.items()}
+    impls = {f"fusepass {name}": (dt, None, False) for name, dt in DTYPES.items()}
+    gated = proj == "down" and M <= GROUPED_ROWS_MAX_M  # (where the row kernel quantizes down's gated rows)
+    if gated:
+        impls[GATED] = (torch.int8, None, True)
     if sweep:
-        impls.update({f"{SWEPT}{t}": (torch.int8, t) for t in SWEEP if t.rows == (M <= 32) or not t.rows})
+        impls.update({f"{SWEPT}{t}": (torch.int8, t, False) for t in SWEEP if t.rows == (M <= 32) or not t.rows})
+        if gated:
+            impls.update({f"{SWEPT_GATED}{t}": (torch.int8, t, True) for t in SWEEP if t.rows})
     per_call = E * K * N if M >= E else min(M, E) * K * N  # (bytes a call reads at most)
     copies = 1 if smoke else max(1, min(64, math.ceil(3 * l2_bytes / per_call)))
     rows, graphs, made = [], {}, {}
-    for name, (dt, tiles) in impls.items():
+    for name, (dt, tiles, gates) in impls.items():
         w = weights["int8" if dt == torch.int8 else "fp8"]
-        calls = [make_call(dt, w, M, k, device, g, tiles) for _ in range(copies)]
+        calls = [make_call(dt, w, M, k, device, g, tiles, gates) for _ in range(copies)]
         try:
             err = check(calls[0][0], calls[0][1])
             made[name] = (calls, err)
@@ -162,7 +182,8 @@ def bench_point(proj: str, E, K, N, k, M, device, l2_bytes: int, smoke: bool, sw
             continue
         read = statistics.mean(c[-1] for c in calls)
         # (the policy's, for the weights' layout: [E, N, K] transposed, contiguous along K)
-        tiles = impls.get(name, (None, None))[1] or (grouped_tiles(M, N, K, E, True) if name in impls else None)
+        dt, tiles, gates = impls.get(name, (None, None, False))
+        tiles = tiles or (grouped_tiles(M, N, K, E, True, gates) if name in impls else None)
         rows.append({"proj": proj, "E": E, "K": K, "N": N, "M": M, "impl": name, "us": round(us[name], 2),
                      "TBps": round(read / us[name] / 1e6, 3), "rel_err": err, "tiles": tiles and str(tiles)})
     return rows
@@ -183,13 +204,14 @@ def summarize(rows: list[dict]) -> list[str]:
         at = {r["impl"]: r for r in rows if (r["proj"], r["M"]) == (proj, M)}
         bf16 = at.get("bf16 torch._grouped_mm")
         parts = []
-        for name in ("fusepass int8", "fusepass fp8"):
+        for name in ("fusepass int8", "fusepass fp8", GATED):
             if name in at:
                 vs = f", {bf16['us'] / at[name]['us']:.2f}x bf16" if bf16 else ""
-                parts.append(f"{name.split()[1]} {at[name]['us']:.1f} us ({at[name]['TBps']:.2f} TB/s{vs})")
-        swept = sorted((r for n, r in at.items() if n.startswith(SWEPT)), key=lambda r: r["us"])
-        if swept:
-            parts.append(f"fastest tiles {swept[0]['tiles']} {swept[0]['us']:.1f} us")
+                parts.append(f"{name.removeprefix('fusepass ')} {at[name]['us']:.1f} us ({at[name]['TBps']:.2f} TB/s{vs})")
+        for prefix, what in ((SWEPT, "tiles"), (SWEPT_GATED, "gated tiles")):
+            swept = sorted((r for n, r in at.items() if n.startswith(prefix)), key=lambda r: r["us"])
+            if swept:
+                parts.append(f"fastest {what} {swept[0]['tiles']} {swept[0]['us']:.1f} us")
         lines.append(f"{proj}, M={M}: " + "; ".join(parts))
     return lines
 

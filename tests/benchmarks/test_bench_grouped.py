@@ -19,10 +19,12 @@ def test_smoke_run_checks_every_output_and_names_its_tiles(bench, tmp_path, caps
     (path,) = tmp_path.glob("*-grouped.json")
     rows = json.loads(path.read_text())["rows"]
     assert {(r["proj"], r["M"], r["impl"]) for r in rows} == {
-        (p, M, f"fusepass {d}") for p in ("gate_up", "down") for M in bench.SMOKE_MS for d in ("int8", "fp8")}
+        (p, M, f"fusepass {d}") for p in ("gate_up", "down") for M in bench.SMOKE_MS for d in ("int8", "fp8")} | {
+        ("down", M, bench.GATED) for M in bench.SMOKE_MS if M <= GROUPED_ROWS_MAX_M}  # (down's rows quantized in it)
     assert all(r["rel_err"] < bench.TOL and r["us"] > 0 for r in rows)
     for r in rows:  # the policy's tiles (weights contiguous along K): the row kernel at decode sizes, blocks above
-        assert r["tiles"] == str(grouped_tiles(r["M"], r["N"], r["K"], r["E"], contiguous_k=True))
+        gated = r["impl"] == bench.GATED
+        assert r["tiles"] == str(grouped_tiles(r["M"], r["N"], r["K"], r["E"], contiguous_k=True, quantizing=gated))
         assert r["tiles"].startswith("rows" if r["M"] <= GROUPED_ROWS_MAX_M else "blocks")
     assert "| gate_up | 8 | 96 | 80 | 2 | fusepass int8 |" in capsys.readouterr().out
 
@@ -37,6 +39,10 @@ def test_summary_against_bf16_and_the_fastest_tiles(bench):
     rows = [{**base, "impl": "fusepass int8", "us": 5.0, "TBps": 2.5, "tiles": "rows 32x256 w4"},
             {**base, "impl": "bf16 torch._grouped_mm", "us": 20.0, "TBps": 1.26, "tiles": None},
             {**base, "impl": bench.SWEPT + "rows 16x256 w2", "us": 4.0, "TBps": 3.1, "tiles": "rows 16x256 w2"},
-            {**base, "impl": bench.SWEPT + "rows 64x512 w8", "us": 6.0, "TBps": 2.1, "tiles": "rows 64x512 w8"}]
+            {**base, "impl": bench.SWEPT + "rows 64x512 w8", "us": 6.0, "TBps": 2.1, "tiles": "rows 64x512 w8"},
+            {**base, "impl": bench.GATED, "us": 8.0, "TBps": 1.6, "tiles": "rows 32x256 w2"},
+            {**base, "impl": bench.SWEPT_GATED + "rows 8x256 w4", "us": 10.0, "TBps": 1.3, "tiles": "rows 8x256 w4"},
+            {**base, "impl": bench.SWEPT_GATED + "rows 32x256 w2", "us": 7.0, "TBps": 1.8, "tiles": "rows 32x256 w2"}]
     assert bench.summarize(rows) == [
-        "down, M=8: int8 5.0 us (2.50 TB/s, 4.00x bf16); fastest tiles rows 16x256 w2 4.0 us"]
+        "down, M=8: int8 5.0 us (2.50 TB/s, 4.00x bf16); int8 gated 8.0 us (1.60 TB/s, 2.50x bf16); fastest tiles "
+        "rows 16x256 w2 4.0 us; fastest gated tiles rows 32x256 w2 7.0 us"]
