@@ -18,7 +18,7 @@ or float8_e4m3fn, ``scale_b`` per expert and channel [E, N] or per expert, ``exp
 False. Returns a new contiguous [M, N] tensor of ``out_dtype``.
 
 Why an op of its own: at decode (the grouped row kernel's rows, ``policy.grouped_tiles``), with
-``b`` contiguous along K, each program quantizes its row itself (``kernels/gemv.py``'s QUANT and
+``b`` contiguous along K and a gate of ``x``'s strides, each program quantizes its row itself (``kernels/gemv.py``'s QUANT and
 GATED, in ``grouped_gemv_kernel``), so neither a SiLU-mul nor a quantization kernel runs
 between a MoE layer's gate/up and down GEMMs: one launch a layer fewer. Elsewhere (more rows,
 other layouts, the CPU) it computes the rows with the ATen ops above and runs
@@ -89,7 +89,7 @@ def scaled_grouped_mm_dynamic_impl(
     if statically_known_true(x.shape[1] == 0):  # (an empty sum: the bias alone, weighted)
         scale_a = torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
         return scaled_grouped_mm_impl(x.to(b.dtype), b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
-    if x.device.type == "cuda" and grouped_quantizes(x, b, scale_b, expert_ids):
+    if x.device.type == "cuda" and grouped_quantizes(x, b, scale_b, expert_ids, gate):
         return launch_scaled_grouped_mm(x, b, None, scale_b, expert_ids, out_dtype, bias, row_weights,
                                         recipe=Recipe(divisor, floor, floor_first, gate))
     if gate is not None:

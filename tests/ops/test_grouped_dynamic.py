@@ -100,6 +100,20 @@ def test_a_weight_not_contiguous_along_k_runs_unfused():
     assert torch.equal(got, want)
 
 
+def test_gate_and_up_cut_from_one_output_are_quantized_in_the_kernel_and_other_strides_unfused():
+    x, gate, p = _problem(4, 8, 32, 64, I8, seed=10)
+    h = torch.cat([gate, x], 1)  # (a gate/up projection's output: its halves share their strides)
+    g, up = h.chunk(2, dim=-1)
+    assert grouped_quantizes(up, p.b, p.scale_b, p.expert_ids, g)
+    want, s = _unfused(x, gate, p)
+    _assert_within_a_step(_fused(up, g, p), want, s, p)
+    # a contiguous gate beside a strided x: the kernel reads both by x's strides, so the op runs unfused
+    assert not grouped_quantizes(up, p.b, p.scale_b, p.expert_ids, gate)
+    got = fusepass.scaled_grouped_mm_dynamic(up, p.b, p.scale_b, p.expert_ids, torch.float32, p.bias, p.row_weights,
+                                             127.5, SCALE_EPS, gate)
+    assert torch.equal(got, _unfused_op(x, gate, p, torch.float32))
+
+
 @pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("where,value", [("x", float("nan")), ("x", float("inf")), ("gate", float("nan")),
                                          ("gate", -float("inf"))])
