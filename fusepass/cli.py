@@ -65,8 +65,9 @@ def _check_cases(M: int, N: int, K: int, seed: int, fp8: bool) -> list:
             t(a), t(torch.stack([b.t(), b2.t()])), t(sa), t(torch.stack([sb.flatten(), sb2.flatten()])), t(experts),
             bf16, t(torch.stack([bias, bias]))),
          torch.where(experts[:, None] == 0, ref(a, sa, b, sb), ref(a, sa, b2, sb2))),
+        # (the experts' weights as stored, [E, N, K], transposed: on a GPU the kernel quantizes the rows)
         ("scaled_grouped_mm_dynamic int8", lambda t: fusepass.scaled_grouped_mm_dynamic(
-            t(xb), t(torch.stack([b.t(), b2.t()])), t(torch.stack([sb.flatten(), sb2.flatten()])), t(experts), bf16,
+            t(xb), t(torch.stack([b, b2])).transpose(1, 2), t(torch.stack([sb.flatten(), sb2.flatten()])), t(experts), bf16,
             t(torch.stack([bias, bias]))),
          torch.where(experts[:, None] == 0, ref(qd, sd, b, sb), ref(qd, sd, b2, sb2))),
     ]

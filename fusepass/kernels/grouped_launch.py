@@ -108,6 +108,9 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     # (the row kernel's gemv.py loop: rows of b.T, contiguous along K; block scales keep the tiles')
     k_contig = not blocks and statically_known_true(b.stride(1) == 1)
     t = tiles or grouped_tiles(M, N, K, E, k_contig, recipe is not None)
+    if recipe is not None and not (t.rows and k_contig):
+        raise ValueError("launch_scaled_grouped_mm: a recipe (float rows quantized in the kernel) needs the row kernel "
+                         f"and b contiguous along K (grouped_quantizes); got tiles {t}, b strides {tuple(b.stride())}")
     if blocks and t.block_k > BLOCK:  # (a K slice within one group of the scales)
         t = replace(t, block_k=BLOCK)
     tiling = dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)

@@ -58,12 +58,12 @@ def grouped_tiles(M, N, K, E, contiguous_k: bool = False, quantizing: bool = Fal
     """The kernel and tiles of ``fusepass.scaled_grouped_mm`` at M rows, E experts of [K, N]
     (the H200 sweeps of Qwen3-30B-A3B's and OLMoE's experts: docs/PERFORMANCE.md, "Mixture of
     experts"); ``contiguous_k``: the row kernel reads rows of ``b.T`` (gemv.py's loop: 8 of them
-    a program, 2 warps, a block that divides K where one of 256 or 512 does); ``quantizing``:
+    a program, 2 warps, a block that divides K where one of 512, 256 or 128 does); ``quantizing``:
     it also quantizes (and gates) its rows (``scaled_grouped_mm_dynamic``), which each program
     does for itself, so 32 of them a program. A symbolic M takes the prefill tiles. Tiles no
     wider than N and K need."""
     if statically_known_true(M <= GROUPED_ROWS_MAX_M) and contiguous_k:
-        block_k = next((k for k in (512, 256) if statically_known_true(K % k == 0)), 512)
+        block_k = next((k for k in (512, 256, 128) if statically_known_true(K % k == 0)), 512)
         tiles = GroupedTiles(True, 1, 32 if quantizing else 8, block_k, 2, 3)
     elif statically_known_true(M <= GROUPED_ROWS_MAX_M):
         tiles = GroupedTiles(True, 1, 32, 512 if K >= 2048 else 256, 4, 1)

@@ -70,7 +70,8 @@ def test_route_sorts_rows_into_blocks_of_one_expert():
 
 # (one program up to ROUTE_ONE_PROGRAM_MAX_M = 256 rows, then a program a chunk of 64)
 @pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (256, 128, 16), (257, 128, 16), (300, 128, 16),
-                                               (1000, 64, 64), (130, 3, 4), (300, 256, 16), (700, 3, 64)])
+                                               (1000, 64, 64), (130, 3, 4), (300, 256, 16), (700, 3, 64),
+                                               (5000, 8, 64)])  # (79 programs: the counts read in two tiles)
 def test_route_kernel_is_the_stable_sort(M, E, rows_a_block):
     g = torch.Generator().manual_seed(M + E)
     ids = torch.randint(-1, E + 1, (M,), generator=g)  # (with ids outside [0, E): their own group)

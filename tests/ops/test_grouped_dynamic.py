@@ -29,20 +29,20 @@ def _problem(M, E, N, K, dtype, seed=0, device=DEVICE):
     return x, gate, p
 
 
-def _unfused(x, gate, p, out_dtype=torch.float32, floor_first=None):
+def _unfused(x, gate, p, out_dtype=torch.float32, floor_first=None, floor=SCALE_EPS):
     """The quantization (of ``silu(gate) * x`` given a gate), then ``scaled_grouped_mm``'s launch
     (the kernel's fp8 sums in the fused kernel's order; the CPU reference's are another's)."""
     row = x if gate is None else torch.nn.functional.silu(gate) * x
-    q, s = quantize_rows(row, p.b.dtype, DIVISOR[p.b.dtype], SCALE_EPS, floor_first)
+    q, s = quantize_rows(row, p.b.dtype, DIVISOR[p.b.dtype], floor, floor_first)
     return launch_scaled_grouped_mm(q, p.b, s, p.scale_b, p.expert_ids, out_dtype, p.bias, p.row_weights), s
 
 
-def _fused(x, gate, p, out_dtype=torch.float32, floor_first=None):
+def _fused(x, gate, p, out_dtype=torch.float32, floor_first=None, floor=SCALE_EPS):
     if DEVICE == "cpu":  # (the op's CPU path is the unfused one: the row kernel, in the interpreter)
         return launch_scaled_grouped_mm(x, p.b, None, p.scale_b, p.expert_ids, out_dtype, p.bias, p.row_weights,
-                                        recipe=Recipe(DIVISOR[p.b.dtype], SCALE_EPS, floor_first, gate))
+                                        recipe=Recipe(DIVISOR[p.b.dtype], floor, floor_first, gate))
     return fusepass.scaled_grouped_mm_dynamic(x, p.b, p.scale_b, p.expert_ids, out_dtype, p.bias, p.row_weights,
-                                              DIVISOR[p.b.dtype], SCALE_EPS, gate, floor_first)
+                                              DIVISOR[p.b.dtype], floor, gate, floor_first)
 
 
 def _assert_within_a_step(out, want, s, p):
@@ -68,12 +68,18 @@ def test_the_row_kernel_quantizing_its_rows_is_the_quantization_then_the_op(dtyp
     _assert_within_a_step(_fused(x, gate, p), want, s, p)
 
 
-@pytest.mark.parametrize("floor_first", [True, False])
-def test_floor_first_picks_the_scales_order(floor_first):
+def test_floor_first_picks_the_scales_order():
+    """A floor of 0.01 and rows of amax about 1: floored first the scale is amax / 127.5 (0.0078),
+    divided first the floor (0.01), so the two orders give other outputs; each as the recipe's."""
     x, gate, p = _problem(4, 8, 32, 64, I8, seed=7)
-    x[1] = 0  # (a row of zeros: its scale is the floor, in either order apart)
-    want, s = _unfused(x, gate, p, floor_first=floor_first)
-    _assert_within_a_step(_fused(x, gate, p, floor_first=floor_first), want, s, p)
+    x = x / x.float().abs().amax(1, keepdim=True).to(x.dtype)  # (amax 1 before the gate)
+    outs = []
+    for floor_first in (True, False):
+        want, s = _unfused(x, None, p, floor_first=floor_first, floor=0.01)
+        assert torch.allclose(s.flatten(), torch.full((4,), 1 / 127.5 if floor_first else 0.01), rtol=1e-2)
+        outs.append(_fused(x, None, p, floor_first=floor_first, floor=0.01))
+        _assert_within_a_step(outs[-1], want, s, p)
+    assert not torch.allclose(outs[0], outs[1])
 
 
 def _unfused_op(x, gate, p, out_dtype):
@@ -163,3 +169,15 @@ def test_bad_inputs_are_refused_by_name(change, error, message):
     with pytest.raises(error) as e:
         fusepass.scaled_grouped_mm_dynamic(*args.values())
     assert message in str(e.value) and "fusepass.scaled_grouped_mm_dynamic" in str(e.value), str(e.value)
+
+
+def test_the_launch_refuses_a_recipe_off_the_row_kernel():
+    from fusepass.kernels.policy import GroupedTiles
+
+    x, gate, p = _problem(4, 8, 32, 64, I8, seed=11, device="cpu")
+    recipe = Recipe(127.5, SCALE_EPS, None, gate)
+    with pytest.raises(ValueError, match="a recipe .* needs the row kernel and b contiguous along K"):
+        launch_scaled_grouped_mm(x, p.b, None, p.scale_b, p.expert_ids, torch.float32, recipe=recipe,
+                                 tiles=GroupedTiles(False, 16, 32, 64, 4, 2))
+    with pytest.raises(ValueError, match="got tiles rows"):
+        launch_scaled_grouped_mm(x, p.b.contiguous(), None, p.scale_b, p.expert_ids, torch.float32, recipe=recipe)
