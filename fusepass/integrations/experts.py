@@ -84,8 +84,9 @@ class W8A8Experts(nn.Module):
         down, down_scale, weights = self.down.transpose(1, 2), _op_scale(self.down_scale), top_k_weights.reshape(-1)
         if act.kind in ("int8", "fp8") and act.ceiling is None and is_silu(self.act_fn):
             # (SiLU-mul and quantization inside down's kernel at decode: ops/grouped_dynamic.py)
+            divisor, floor = row_recipe(act)
             y = scaled_grouped_mm_dynamic(up, down, down_scale, ids, torch.float32, row_weights=weights,
-                                          divisor=row_recipe(act)[0], floor=row_recipe(act)[1], gate=gate)
+                                          divisor=divisor, floor=floor, gate=gate)
         else:
             q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)
             y = scaled_grouped_mm(q2, down, scale2, down_scale, ids, torch.float32, row_weights=weights)

@@ -63,16 +63,19 @@ class Recipe:
 
 
 def grouped_quantizes(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, expert_ids: torch.Tensor,
-                      gate: torch.Tensor | None = None) -> bool:
-    """Where ``launch_scaled_grouped_mm`` takes a float ``x`` and a ``Recipe``: the row kernel's
-    rows (``policy.grouped_tiles``), an int8 or e4m3 ``b`` contiguous along K, scales per channel
-    or per expert (not per block), and a gate, if any, of ``x``'s strides (the kernel reads both
-    by one set: a MoE layer's gate and up, halves of one output, have them)."""
+                      gate: torch.Tensor | None = None) -> GroupedTiles | None:
+    """Where ``launch_scaled_grouped_mm`` takes a float ``x`` and a ``Recipe``, the tiles it takes
+    there (else None): the row kernel's rows (``policy.grouped_tiles``), an int8 or e4m3 ``b``
+    contiguous along K, scales per channel or per expert (not per block), and a gate, if any, of
+    ``x``'s strides (the kernel reads both by one set: a MoE layer's gate and up, halves of one
+    output, have them)."""
     M, E, K, N = expert_ids.shape[0], b.shape[0], b.shape[1], b.shape[2]
     k_contig = statically_known_true(b.stride(1) == 1)
     same_strides = gate is None or all(statically_known_true(g == s) for g, s in zip(gate.stride(), x.stride()))
-    return (b.dtype in (torch.int8, torch.float8_e4m3fn) and scale_b.dim() != 3 and k_contig and same_strides
-            and grouped_tiles(M, N, K, E, k_contig).rows)
+    if b.dtype not in (torch.int8, torch.float8_e4m3fn) or scale_b.dim() == 3 or not (k_contig and same_strides):
+        return None
+    tiles = grouped_tiles(M, N, K, E, True, True)
+    return tiles if tiles.rows else None
 
 
 def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,

@@ -89,9 +89,10 @@ def scaled_grouped_mm_dynamic_impl(
     if statically_known_true(x.shape[1] == 0):  # (an empty sum: the bias alone, weighted)
         scale_a = torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
         return scaled_grouped_mm_impl(x.to(b.dtype), b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
-    if x.device.type == "cuda" and grouped_quantizes(x, b, scale_b, expert_ids, gate):
-        return launch_scaled_grouped_mm(x, b, None, scale_b, expert_ids, out_dtype, bias, row_weights,
-                                        recipe=Recipe(divisor, floor, floor_first, gate))
+    tiles = grouped_quantizes(x, b, scale_b, expert_ids, gate) if x.device.type == "cuda" else None
+    if tiles is not None:  # (the tiles chosen once, here)
+        return launch_scaled_grouped_mm(x, b, None, scale_b, expert_ids, out_dtype, bias, row_weights, tiles,
+                                        Recipe(divisor, floor, floor_first, gate))
     if gate is not None:
         x = torch.nn.functional.silu(gate) * x
     q, scale_a = quantize_rows(x, b.dtype, divisor, floor, floor_first)
