@@ -199,8 +199,8 @@ def decode_unsplit(cfg: Config, top: int | None, split_decode: bool) -> Config:
 # it saved), 2048 bytes a row at a time, and 4 rows a program where 8 would give fewer than
 # GEMV_PROGRAMS_PER_SM programs a SM: the fastest of the sweeps
 # (docs/PERFORMANCE.md, "Why the code is as it is": "The M = 1 config").
-# A narrower weight (an unjoined k_proj, N = 1024: 128 programs of 8 rows) keeps the tiles,
-# whose split fills the GPU (``gemv_fills``).
+# A narrower weight (an unjoined k_proj, N = 1024: 256 programs of 4 rows on 132 SMs) keeps the
+# tiles, whose split fills the GPU (``gemv_fills``).
 GEMV = Config(block_m=1, block_n=8, block_k=2048, num_warps=4, num_stages=3, gemv=True)
 GEMV_PROGRAMS_PER_SM = 4
 # int8 rows summed by dp4a (gemv.py's DP4A) read 512 bytes a block where a program takes 8 (and
@@ -226,16 +226,19 @@ def gemv_config(N: int, K: int, sms: int, dtype: torch.dtype) -> Config:
 @functools.cache  # on the eager launch path
 def gemv_gated_config(N: int, K: int, sms: int) -> Config:
     """The M = 1 kernel's config where it also gates its row (``gemv.py``'s GATED): 16 rows a
-    program of GEMV's bytes (where the kernel runs, ``gemv_fills``, that is at least a program a
-    SM). Each program reads the row and its gate twice and computes the SiLU, so fewer programs
-    do less of it: 16 rows was the fastest of 4 to 32 (docs/PERFORMANCE.md, "Why the code is
-    as it is": "The gated M = 1 config")."""
-    return replace(GEMV, block_n=16, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
+    program of GEMV's bytes, 8 where 16 would leave fewer than a program a SM. Each program reads
+    the row and its gate twice and computes the SiLU, so fewer programs do less of it: 16 rows
+    was the fastest of 4 to 32 at 256 programs (docs/PERFORMANCE.md, "Why the code is as it
+    is": "The gated M = 1 config")."""
+    return replace(GEMV, block_n=16 if cdiv(N, 16) >= sms else 8, block_k=min(GEMV.block_k, triton.next_power_of_2(K)))
 
 
 def gemv_fills(N: int, device) -> bool:
-    """Whether the M = 1 kernel's programs (unsplit) fill ``device``: DECODE_PROGRAMS_PER_SM a SM."""
-    return cdiv(N, GEMV.block_n) >= DECODE_PROGRAMS_PER_SM * sm_count(device)
+    """Whether the M = 1 kernel's programs (unsplit) fill ``device``: DECODE_PROGRAMS_PER_SM a SM
+    at the narrower programs ``gemv_config`` takes where GEMV's leave too few (N = 2048, an
+    o_proj of hidden 2048, runs it: docs/PERFORMANCE.md, "Why the code is as it is": "The M = 1
+    config")."""
+    return cdiv(N, GEMV.block_n // 2) >= DECODE_PROGRAMS_PER_SM * sm_count(device)
 
 
 def merge_buckets(choices) -> list:

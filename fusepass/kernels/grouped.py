@@ -196,12 +196,6 @@ def grouped_mm_kernel(
 
 
 @triton.jit
-def _row_of(one_hot, values):
-    """values[key] for each row's key, given the rows' one-hot keys [R, G] and values [G]."""
-    return tl.sum(tl.where(one_hot, values[None, :], 0), axis=1)
-
-
-@triton.jit
 def _group(ids, offs, M, E, GROUPS: tl.constexpr):
     """Each row's group, given its id (loaded): its expert, E where its id is outside [0, E)
     (compared in the ids' own dtype: an int64 id is not wrapped), GROUPS - 1 from row M on (a
@@ -209,12 +203,6 @@ def _group(ids, offs, M, E, GROUPS: tl.constexpr):
     would count as writing it, ``grouped_gemv_kernel``'s note.)"""
     key = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
     return tl.where(offs < M, key, GROUPS - 1)
-
-
-@triton.jit
-def _counts(key, GROUPS: tl.constexpr):
-    """[GROUPS]: the rows of each group among the keys (sums of one-hot rows: no shared-memory histogram)."""
-    return tl.sum((key[:, None] == tl.arange(0, GROUPS)[None, :]).to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -231,7 +219,7 @@ def route_count_kernel(
     counts = tl.zeros((GROUPS,), dtype=tl.int32)
     for c0 in range(p * SPAN, end, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        counts += _counts(_group(tl.load(ids_ptr + offs, mask=offs < end, other=0), offs, end, E, GROUPS), GROUPS)
+        counts += tl.histogram(_group(tl.load(ids_ptr + offs, mask=offs < end, other=0), offs, end, E, GROUPS), GROUPS)
     groups = tl.arange(0, GROUPS)
     tl.store(counts_ptr + p * GROUPS + groups, tl.where(groups <= E, counts, 0))
 
@@ -245,6 +233,7 @@ def route_kernel(
     M, E, BLOCKS, SPAN, PROGRAMS,  # a program a span of SPAN rows (one program: SPAN >= M)
     BLOCK_M: tl.constexpr,  # the sorted kernel's rows a block
     GROUPS: tl.constexpr,  # a power of two > E + 1: groups 0..E-1 the experts, E invalid ids, the rest unused
+    GROUPS_LOG2: tl.constexpr,
     CHUNK: tl.constexpr,
     COUNTED: tl.constexpr,  # PROGRAMS > 1: the spans' counts come from route_count_kernel
 ):
@@ -269,7 +258,7 @@ def route_kernel(
         total = tl.zeros((GROUPS,), dtype=tl.int32)
         for c0 in range(0, M, CHUNK):
             offs = c0 + tl.arange(0, CHUNK)
-            total += _counts(_group(tl.load(ids_ptr + offs, mask=offs < M, other=0), offs, M, E, GROUPS), GROUPS)
+            total += tl.histogram(_group(tl.load(ids_ptr + offs, mask=offs < M, other=0), offs, M, E, GROUPS), GROUPS)
         total = tl.where(groups <= E, total, 0)
         seen = tl.zeros((GROUPS,), dtype=tl.int32)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -280,10 +269,9 @@ def route_kernel(
     for c0 in range(p * SPAN, end, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
         key = _group(tl.load(ids_ptr + offs, mask=offs < end, other=0), offs, end, E, GROUPS)
-        one_hot = key[:, None] == groups[None, :]
         rank = tl.sum(((key[None, :] == key[:, None]) & before).to(tl.int32), axis=1)
-        tl.store(rows_ptr + _row_of(one_hot, pad_start + seen) + rank, offs, mask=offs < end)
-        seen += tl.sum(one_hot.to(tl.int32), axis=0)
+        tl.store(rows_ptr + tl.gather(pad_start + seen, key, 0) + rank, offs, mask=offs < end)
+        seen += tl.histogram(key, GROUPS)
     if p == 0:  # each group's padding: the slots of its last block past its rows
         j = tl.arange(0, BLOCK_M)
         tl.store(rows_ptr + (pad_start + total)[:, None] + j[None, :], M, mask=j[None, :] < (padded - total)[:, None])
@@ -291,8 +279,18 @@ def route_kernel(
     for s0 in range(tl.sum(padded, axis=0) + p * CHUNK, slots, PROGRAMS * CHUNK):  # the unused blocks' slots
         offs = s0 + tl.arange(0, CHUNK)
         tl.store(rows_ptr + offs, M, mask=offs < slots)
+    # A block's expert: the number of groups ending at or before its first slot, found by a
+    # binary search in ``ends`` (which rises), not by a compare with every group
     ends = tl.where(groups <= E, pad_end, 2147483647)
     for b0 in range(p * CHUNK, BLOCKS, PROGRAMS * CHUNK):
         blocks = b0 + tl.arange(0, CHUNK)
-        expert = tl.sum((ends[None, :] <= (blocks * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        first = blocks * BLOCK_M
+        lo = tl.zeros((CHUNK,), dtype=tl.int32)
+        hi = tl.full((CHUNK,), GROUPS, dtype=tl.int32)
+        for _ in tl.static_range(GROUPS_LOG2 + 1):
+            mid = tl.minimum((lo + hi) // 2, GROUPS - 1)
+            right = (lo < hi) & (tl.gather(ends, mid, 0) <= first)
+            hi = tl.where((lo < hi) & ~right, mid, hi)
+            lo = tl.where(right, mid + 1, lo)
+        expert = lo
         tl.store(block_experts_ptr + blocks, expert, mask=blocks < BLOCKS)

@@ -22,8 +22,9 @@ from .policy import GroupedTiles, floors_first, grouped_tiles
 
 ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
 # Up to this many rows, route_kernel runs as one program; above, a program a chunk of rows, after
-# route_count_kernel's counts (one program took 1.8 ms for 16384 rows on an H200).
-ROUTE_ONE_PROGRAM_MAX_M = 256
+# route_count_kernel's counts: the faster of the two at each size measured (docs/PERFORMANCE.md,
+# "Mixture of experts": "The route").
+ROUTE_ONE_PROGRAM_MAX_M = 64
 
 
 def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,15 +40,16 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
     block_experts = torch.empty((blocks,), dtype=torch.int32, device=device)
     groups = triton.next_power_of_2(E + 2)
     sizes = dict(GROUPS=groups, CHUNK=ROUTE_CHUNK, num_warps=4)
+    searched = dict(GROUPS_LOG2=groups.bit_length() - 1)
     if statically_known_true(M <= ROUTE_ONE_PROGRAM_MAX_M):
         launcher(route_kernel, fake)[(1,)](expert_ids, None, rows, block_experts, M, E, blocks, M, 1,
-                                           BLOCK_M=rows_a_block, COUNTED=False, **sizes)
+                                           BLOCK_M=rows_a_block, COUNTED=False, **sizes, **searched)
         return rows, block_experts
     programs = (M + ROUTE_CHUNK - 1) // ROUTE_CHUNK
     counts = torch.empty((programs, groups), dtype=torch.int32, device=device)
     launcher(route_count_kernel, fake)[(programs,)](expert_ids, counts, M, E, ROUTE_CHUNK, **sizes)
     launcher(route_kernel, fake)[(programs,)](expert_ids, counts, rows, block_experts, M, E, blocks, ROUTE_CHUNK,
-                                              programs, BLOCK_M=rows_a_block, COUNTED=True, **sizes)
+                                              programs, BLOCK_M=rows_a_block, COUNTED=True, **sizes, **searched)
     return rows, block_experts
 
 

@@ -316,3 +316,24 @@ def test_down_quantizes_the_gated_rows_in_its_op_where_the_act_is_silu(kind, mon
         assert torch.equal(fused, unfused)
     else:  # (Triton's exp in the kernel: a gated value may round to its neighbour)
         assert ((fused.double() - unfused.double()).norm() / unfused.double().norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8-block"])
+def test_down_writes_rows_in_the_models_dtype_and_a_tokens_rows_add_in_fp32(kind, monkeypatch):
+    """Down's launch rounds each weighted row once to the hidden states' dtype (not fp32: half the
+    bytes written and read again); the k rows of a token are then added in fp32 and rounded once."""
+    import fusepass.integrations.experts as experts
+
+    model = moe_model("qwen3_moe", blocks=kind == "fp8-block")
+    quantize_experts(model, kind)
+    module = _experts(model)[0]
+    rows = []
+    for name in ("scaled_grouped_mm", "scaled_grouped_mm_dynamic"):
+        real = getattr(experts, name)
+        monkeypatch.setattr(experts, name, lambda *a, _real=real, **k: rows.append(_real(*a, **k)) or rows[-1])
+    x, index, weights = _routed_inputs(3, module.hidden_dim, 16, 4, seed=5)
+    with torch.no_grad():
+        out = module(x, index, weights)
+    h, y = rows  # (gate/up's output, then down's)
+    assert h.dtype == y.dtype == torch.bfloat16 and y.shape == (3 * 4, module.hidden_dim)
+    assert torch.equal(out, y.view(3, 4, -1).float().sum(1).to(torch.bfloat16))

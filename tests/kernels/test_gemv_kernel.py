@@ -123,14 +123,14 @@ def test_one_row_with_a_weight_as_stored_takes_the_gemv(sm90):
 
 
 def test_the_launch_picks_the_gemv_for_one_row_of_a_wide_weight_as_stored(monkeypatch):
-    """One row of a weight stored (N, K) with at least 2 programs a SM (N >= 2112 on 132 SMs);
-    not two rows, a weight stored (K, N), or a narrow one (the tiles split K there)."""
+    """One row of a weight stored (N, K) with at least 2 programs a SM of 4 rows (N >= 1056 on 132
+    SMs); not two rows, a weight stored (K, N), or a narrow one (the tiles split K there)."""
     plans = []
     real = launch.plan
     monkeypatch.setattr(launch, "plan", lambda *args: plans.append(real(*args)) or plans[-1])
     monkeypatch.setattr(configs, "sm_count", lambda device: configs.DEFAULT_SMS)
-    problems = [make_problem(M, N, 64, device=DEVICE) for M, N in ((1, 2112), (2, 2112), (1, 2104))]
-    row_major = make_problem(1, 2112, 64, device=DEVICE)
+    problems = [make_problem(M, N, 64, device=DEVICE) for M, N in ((1, 1056), (2, 1056), (1, 1052))]
+    row_major = make_problem(1, 1056, 64, device=DEVICE)
     row_major.b = row_major.b.contiguous()  # (K, N) with N contiguous: rows of b.T are strided
     for p in problems + [row_major]:
         assert_matches_oracle(_run(p, torch.bfloat16, None), p, torch.bfloat16, extra_ulps=BF16_ULPS)
@@ -155,9 +155,10 @@ def test_a_gated_row_takes_16_rows_a_program_at_least_one_a_sm_where_the_kernel_
     assert configs.gemv_gated_config(4096, 14336, 132) == replace(GEMV, block_n=16)  # 256 programs
     assert configs.gemv_gated_config(4096, 100, 132) == replace(GEMV, block_n=16, block_k=128)
     assert configs.gemv_gated_config(28672, 4096, 132) == replace(GEMV, block_n=16)  # (GEMV's bytes at any width)
-    # (the kernel runs from 2 programs of 8 rows a SM: at least 132 of 16 rows)
-    assert configs.DECODE_PROGRAMS_PER_SM * GEMV.block_n == 16
-    assert configs.gemv_gated_config(2096, 14336, 132).block_n == 16  # 131 programs
+    assert configs.gemv_gated_config(2112, 14336, 132).block_n == 16  # 132 programs
+    # (8 rows where 16 leave fewer than a program a SM: a hidden of 2048 runs the kernel, gemv_fills)
+    assert configs.gemv_gated_config(2096, 14336, 132) == replace(GEMV, block_n=8)  # 262 programs
+    assert configs.gemv_gated_config(2048, 100, 132) == replace(GEMV, block_n=8, block_k=128)
 
 
 def test_the_gated_launch_takes_the_gated_config(monkeypatch):

@@ -68,8 +68,9 @@ def test_route_sorts_rows_into_blocks_of_one_expert():
     assert all(block_of[r] == (ids[r].item() if ids[r] < 3 else 3) for r in range(M))
 
 
-# (one program up to ROUTE_ONE_PROGRAM_MAX_M = 256 rows, then a program a chunk of 64)
-@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (256, 128, 16), (257, 128, 16), (300, 128, 16),
+# (one program up to ROUTE_ONE_PROGRAM_MAX_M = 64 rows, then a program a chunk of 64)
+@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (64, 128, 16), (65, 128, 16), (256, 128, 16),
+                                               (257, 128, 16), (300, 128, 16), (64, 255, 1),
                                                (1000, 64, 64), (130, 3, 4), (300, 256, 16), (700, 3, 64),
                                                (5000, 8, 64)])  # (79 programs: the counts read in two tiles)
 def test_route_kernel_is_the_stable_sort(M, E, rows_a_block):

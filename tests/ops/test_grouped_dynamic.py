@@ -76,7 +76,8 @@ def test_floor_first_picks_the_scales_order():
     outs = []
     for floor_first in (True, False):
         want, s = _unfused(x, None, p, floor_first=floor_first, floor=0.01)
-        assert torch.allclose(s.flatten(), torch.full((4,), 1 / 127.5 if floor_first else 0.01), rtol=1e-2)
+        assert torch.allclose(s.flatten(), torch.full((4,), 1 / 127.5 if floor_first else 0.01, device=s.device),
+                              rtol=1e-2)
         outs.append(_fused(x, None, p, floor_first=floor_first, floor=0.01))
         _assert_within_a_step(outs[-1], want, s, p)
     assert not torch.allclose(outs[0], outs[1])
