@@ -156,8 +156,10 @@ def test_demo_runs_a_native_fp8_moe_checkpoint(tmp_path, capsys):
     assert out.count("; 2 experts layers on fusepass.scaled_grouped_mm") == 2, out
     assert re.search(r"^model\.layers\.1\.mlp\.experts +scaled_grouped_mm \(experts\) +scaled_grouped_mm", out, re.M), out
     fused = _accuracy(out, "fusepass-compiled")  # (transformers' FP8Experts need a downloaded kernel)
-    # fp8 weights and activations of a random 2-layer model, routing flips included: 27% here
-    assert fused < 0.4 and fused < 1.5 * _accuracy(out, "prepared, eager") + 1e-3, out
+    # fp8 weights and activations of a random 2-layer model, routing flips included: 27-29% here. Not
+    # against the eager run's (13-27%): stock Inductor moves this model's bf16 logits 4-7% from eager's
+    # at decode (its routing flips too), and the generated tokens then part.
+    assert fused < 0.4, out
 
 
 def test_demo_refuses_a_native_fp8_checkpoint_transformers_dequantized(tmp_path, capsys):

@@ -5,8 +5,8 @@ transformers (5.x) holds a MoE layer's experts as 3-D weights, ``gate_up_proj`` 
 top_k_weights [T, k])`` (Qwen3-MoE, Mixtral, OLMoE, ...). ``W8A8Experts`` takes that call: each
 token's row quantized per token (the module's ``Act``), its k routed rows through the gate/up
 weights of their experts (one grouped launch), ``act(gate) * up`` quantized per row, then the down
-weights with each row's routing weight in the epilogue (a second launch, each row rounded once to
-the model's dtype), and the k rows of a token added in fp32. The weights are the experts' own, quantized per output channel, or, from
+weights with each row's routing weight in the epilogue (a second launch, each row rounded once
+to the model's dtype), and the k rows of a token added in fp32. The weights are the experts' own, quantized per output channel, or, from
 a native FP8 checkpoint (``fp8_experts``), per 128x128 block with activations per 1x128 group.
 
 ``quantize_experts(model, "int8" | "fp8")`` is the one call that turns a float MoE model's experts
@@ -91,8 +91,9 @@ class W8A8Experts(nn.Module):
             q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)
             y = scaled_grouped_mm(q2, down, scale2, down_scale, ids, hidden_states.dtype, row_weights=weights)
         # (each weighted row rounded once to the model's dtype, as transformers' experts round theirs
-        # (twice); the sum in fp32: half the bytes of fp32 rows to write and read again at prefill)
-        return y.view(T, k, self.hidden_dim).float().sum(dim=1).to(hidden_states.dtype)
+        # (twice): half the bytes of fp32 rows to write and read again at prefill; a bf16 or fp16
+        # sum accumulates in fp32 and rounds once)
+        return y.view(T, k, self.hidden_dim).sum(dim=1)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "

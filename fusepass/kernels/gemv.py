@@ -148,8 +148,11 @@ def gemv_rows(
     g_ptr, GATED: tl.constexpr,  # QUANT: the row is silu(g) * a (_row_block); else None, False
     DP4A: tl.constexpr = False,  # int8, EVEN_K, rows word-aligned (launch.dp4a_rows): words, dp4a
 ):
-    """The main loop: (acc (BLOCK_N,) of a @ b's columns, their indices cols (BLOCK_N,),
-    offs_n: cols with ragged ones read as column 0). Also ``group.py``'s, at M = 1."""
+    """The main loop: acc (BLOCK_N,) of a @ b's columns ``pid_n * BLOCK_N + arange(BLOCK_N)`` (ragged
+    ones read as column 0). Also ``group.py``'s, at M = 1, and ``grouped.py``'s row kernel's. The
+    callers compute the columns they store to themselves: Inductor's analysis of a kernel counts
+    every pointer argument of a helper whose result reaches a store's address as written
+    (``grouped_gemv_kernel``'s note)."""
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
     offs_n = tl.where(cols < N, cols, 0).to(tl.int64)  # ragged N: row 0 again, masked at the store
     row_starts = b_ptr + offs_n * stride_bn  # (BLOCK_N,): the rows of b.T
@@ -181,7 +184,7 @@ def gemv_rows(
             acc += tl.sum(w.to(acc_dtype) * x.to(acc_dtype)[None, :], axis=1)
     if DP4A:
         acc = tl.sum(acc4, axis=1)
-    return acc, cols, offs_n
+    return acc
 
 
 @triton.jit
@@ -211,8 +214,10 @@ def scaled_gemv_kernel(
     x_scale = 1.0
     if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
         x_scale = row_scale(a_ptr, g_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED, FLOOR_FIRST)
-    acc, cols, offs_n = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
-                                  BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT, g_ptr, GATED, DP4A)
+    acc = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
+                    BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT, g_ptr, GATED, DP4A)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.where(cols < N, cols, 0).to(tl.int64)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
     if QUANT:  # the row's scale in a register, then the epilogue's other steps, in its order

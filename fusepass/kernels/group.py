@@ -46,8 +46,10 @@ def _member_tile(
     DP4A: tl.constexpr,  # GEMV: gemv_rows' DP4A
 ):
     if GEMV:  # (BLOCK_N rows of b.T; BLOCK_M is 1)
-        acc, cols, offs_n = gemv_rows(pid_n, a_ptr, b_ptr, N, K, stride_ak, stride_bn, BLOCK_N, BLOCK_K, EVEN_K,
-                                      1.0, False, None, False, DP4A)
+        acc = gemv_rows(pid_n, a_ptr, b_ptr, N, K, stride_ak, stride_bn, BLOCK_N, BLOCK_K, EVEN_K,
+                        1.0, False, None, False, DP4A)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (computed here: gemv_rows' note)
+        offs_n = tl.where(cols < N, cols, 0).to(tl.int64)
         rows = tl.zeros((1,), dtype=tl.int64)
         x = epilogue(acc[None, :], rows, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
                       SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)

@@ -107,7 +107,7 @@ def grouped_gemv_kernel(
             gate_ptr = g_ptr + a_row * stride_am
         if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
             x_scale = row_scale(row_ptr, gate_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED, FLOOR_FIRST)
-        acc, _, _ = gemv_rows(tl.program_id(1), row_ptr, b_ptr + e * stride_be, N, K, stride_ak, stride_bn, BLOCK_N,
+        acc = gemv_rows(tl.program_id(1), row_ptr, b_ptr + e * stride_be, N, K, stride_ak, stride_bn, BLOCK_N,
                                  BLOCK_K, EVEN_K, x_scale, QUANT, gate_ptr, GATED, DP4A)
     else:
         acc = _rows_any_strides(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, a_row, e, cols.to(tl.int64), N, K, stride_am,
@@ -233,7 +233,7 @@ def route_kernel(
     M, E, BLOCKS, SPAN, PROGRAMS,  # a program a span of SPAN rows (one program: SPAN >= M)
     BLOCK_M: tl.constexpr,  # the sorted kernel's rows a block
     GROUPS: tl.constexpr,  # a power of two > E + 1: groups 0..E-1 the experts, E invalid ids, the rest unused
-    GROUPS_LOG2: tl.constexpr,
+    GROUPS_LOG2: tl.constexpr,  # log2(GROUPS): the block experts' binary search takes GROUPS_LOG2 + 1 halvings
     CHUNK: tl.constexpr,
     COUNTED: tl.constexpr,  # PROGRAMS > 1: the spans' counts come from route_count_kernel
 ):

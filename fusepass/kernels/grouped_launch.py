@@ -22,9 +22,10 @@ from .policy import GroupedTiles, floors_first, grouped_tiles
 
 ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
 # Up to this many rows, route_kernel runs as one program; above, a program a chunk of rows, after
-# route_count_kernel's counts: the faster of the two at each size measured (docs/PERFORMANCE.md,
-# "Mixture of experts": "The route").
-ROUTE_ONE_PROGRAM_MAX_M = 64
+# route_count_kernel's counts (a launch more): one program was 0.5 us slower at 128 rows, 5.4 at
+# 256 (docs/PERFORMANCE.md, "Mixture of experts": "The route"), and a default-mode step is bound
+# by its launches.
+ROUTE_ONE_PROGRAM_MAX_M = 128
 
 
 def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,7 +151,7 @@ def test_a_gemv_config_takes_half_the_rows_below_four_programs_a_sm_and_a_short_
     assert gemv_config(6144, 4096 + 256, 132, torch.int8) == GEMV  # (512 does not divide K: no dp4a)
 
 
-def test_a_gated_row_takes_16_rows_a_program_at_least_one_a_sm_where_the_kernel_runs():
+def test_a_gated_row_takes_16_rows_a_program_or_8_where_16_give_fewer_programs_than_sms():
     assert configs.gemv_gated_config(4096, 14336, 132) == replace(GEMV, block_n=16)  # 256 programs
     assert configs.gemv_gated_config(4096, 100, 132) == replace(GEMV, block_n=16, block_k=128)
     assert configs.gemv_gated_config(28672, 4096, 132) == replace(GEMV, block_n=16)  # (GEMV's bytes at any width)
@@ -159,6 +159,10 @@ def test_a_gated_row_takes_16_rows_a_program_at_least_one_a_sm_where_the_kernel_
     # (8 rows where 16 leave fewer than a program a SM: a hidden of 2048 runs the kernel, gemv_fills)
     assert configs.gemv_gated_config(2096, 14336, 132) == replace(GEMV, block_n=8)  # 262 programs
     assert configs.gemv_gated_config(2048, 100, 132) == replace(GEMV, block_n=8, block_k=128)
+    # (so at least a program a SM wherever the kernel runs)
+    for N in range(1000, 5000, 8):
+        cfg = configs.gemv_gated_config(N, 4096, configs.DEFAULT_SMS)
+        assert not configs.gemv_fills(N, torch.device("cpu")) or -(-N // cfg.block_n) >= configs.DEFAULT_SMS, N
 
 
 def test_the_gated_launch_takes_the_gated_config(monkeypatch):

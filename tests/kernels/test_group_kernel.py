@@ -149,7 +149,8 @@ def test_one_row_takes_the_gemv_where_the_joined_width_fills_the_gpu():
     assert group_config(1, *qkv, torch.int8, cpu, k_contiguous=True) == gemv_config(6144, 4096, configs.DEFAULT_SMS, torch.int8)
     assert not group_config(2, *qkv, torch.int8, cpu, k_contiguous=True).gemv  # two rows
     assert not group_config(1, *qkv, torch.int8, cpu, k_contiguous=False).gemv  # weights stored (K, N)
-    assert not group_config(1, [1024, 1024], 4096, torch.int8, cpu, k_contiguous=True).gemv  # 256 programs
+    assert not group_config(1, [512, 512], 4096, torch.int8, cpu, k_contiguous=True).gemv  # 256 programs of 4 rows
+    assert group_config(1, [1024, 1024], 4096, torch.int8, cpu, k_contiguous=True).gemv  # 512
 
 
 @pytest.mark.parametrize("M,split_k", [(2, 1), (1, 2)], ids=["two-rows", "split"])

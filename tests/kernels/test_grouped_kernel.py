@@ -68,9 +68,9 @@ def test_route_sorts_rows_into_blocks_of_one_expert():
     assert all(block_of[r] == (ids[r].item() if ids[r] < 3 else 3) for r in range(M))
 
 
-# (one program up to ROUTE_ONE_PROGRAM_MAX_M = 64 rows, then a program a chunk of 64)
-@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (64, 128, 16), (65, 128, 16), (256, 128, 16),
-                                               (257, 128, 16), (300, 128, 16), (64, 255, 1),
+# (one program up to ROUTE_ONE_PROGRAM_MAX_M = 128 rows, then a program a chunk of 64)
+@pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (128, 128, 16), (129, 128, 16), (256, 128, 16),
+                                               (257, 128, 16), (300, 128, 16), (128, 255, 1),
                                                (1000, 64, 64), (130, 3, 4), (300, 256, 16), (700, 3, 64),
                                                (5000, 8, 64)])  # (79 programs: the counts read in two tiles)
 def test_route_kernel_is_the_stable_sort(M, E, rows_a_block):
@@ -170,22 +170,9 @@ def test_every_launch_names_every_argument_and_writes_only_its_outputs(monkeypat
     [E, K, N] weight's copy, 240 us, on an H200 before this held)."""
     from fusepass.kernels import grouped_launch
     from fusepass.kernels.grouped_launch import Recipe
-    from tests.support.helpers import written_arguments
+    from tests.support.helpers import recording_launches, written_arguments
 
-    launches = []
-
-    def naming_all(kernel, fake):
-        def run(grid):
-            def call(*args, **kwargs):
-                names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.arg_names
-                missing = [n for n in names[len(args):] if n not in kwargs]
-                assert not missing, f"{kernel.__name__}: {missing} not passed"
-                launches.append((kernel, dict(zip(names, args)) | kwargs))
-                return kernel[grid](*args, **kwargs)
-            return call
-        return type("Naming", (), {"__getitem__": lambda self, grid: run(grid)})()
-
-    monkeypatch.setattr(grouped_launch, "launcher", naming_all)
+    launches = recording_launches(monkeypatch, grouped_launch)
     for M in (4, 40, 300):  # (the rows; the blocks routed by one program; by a program a chunk)
         p = make_grouped(M, 1, 8, 24, 64, device=DEVICE, seed=M)
         launch_scaled_grouped_mm(*p.args())

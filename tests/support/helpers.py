@@ -227,6 +227,29 @@ def prepared_step_decisions(model, step: str, batch: int) -> tuple[list, dict]:
     return compiled_decisions(model, inputs)
 
 
+def recording_launches(monkeypatch, *modules) -> list:
+    """``[(kernel, kwargs)]``, each launch through the ``launcher`` of ``modules`` (``direct.launcher``
+    imported by name) with every argument by name, as the kernels then run; asserts each launch
+    passes every argument: the direct launcher and ``wrap_triton`` bind no defaults (the
+    interpreter, which would take one, runs them here)."""
+    launches = []
+
+    def naming_all(kernel, fake):
+        def run(grid):
+            def call(*args, **kwargs):
+                names = kernel.arg_names if hasattr(kernel, "arg_names") else kernel.fn.arg_names
+                missing = [n for n in names[len(args):] if n not in kwargs]
+                assert not missing, f"{kernel.__name__}: {missing} not passed"
+                launches.append((kernel, dict(zip(names, args)) | kwargs))
+                return kernel[grid](*args, **kwargs)
+            return call
+        return type("Naming", (), {"__getitem__": lambda self, grid: run(grid)})()
+
+    for module in modules:
+        monkeypatch.setattr(module, "launcher", naming_all)
+    return launches
+
+
 def written_arguments(launches: list) -> list[set[str]]:
     """For each ``(kernel, kwargs)`` launch (every argument by name), the arguments Inductor's
     analysis finds the kernel writes: its walk of the kernel's Triton IR
@@ -244,8 +267,8 @@ def written_arguments(launches: list) -> list[set[str]]:
             return ["tensor", str(v.dtype).removeprefix("torch.")]
         return ["none"] if v is None else ["value", v]
 
-    spec = [[getattr(k, "__name__", None) or k.fn.__name__, {n: described(v) for n, v in kw.items()}]
-            for k, kw in launches]
+    fns = [getattr(k, "fn", k) for k, _ in launches]
+    spec = [[f.__module__, f.__name__, {n: described(v) for n, v in kw.items()}] for f, (_, kw) in zip(fns, launches)]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _WRITTEN_SCRIPT], input=json.dumps(spec), capture_output=True,
                          text=True, env=env, check=True).stdout
@@ -257,7 +280,7 @@ import json, sys
 import torch, triton
 from torch._higher_order_ops import triton_kernel_wrap as wrap
 from triton.backends.compiler import GPUTarget
-from fusepass.kernels import grouped
+import importlib
 
 class Driver:  # (what generate_ttir asks of the active driver)
     def get_current_target(self):
@@ -269,10 +292,10 @@ class Driver:  # (what generate_ttir asks of the active driver)
 
 triton.runtime.driver.set_active(Driver())
 found = []
-for name, described in json.load(sys.stdin):
+for module, name, described in json.load(sys.stdin):
     kwargs = {n: torch.empty(64, dtype=getattr(torch, d[1])) if d[0] == "tensor" else None if d[0] == "none" else d[1]
               for n, d in described.items()}
-    kernel = getattr(grouped, name)
+    kernel = getattr(importlib.import_module(module), name)
     if hasattr(wrap, "identify_accessed_tensors"):
         found.append(sorted(d.name for d in wrap.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes))
     else:
