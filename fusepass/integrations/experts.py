@@ -6,8 +6,8 @@ top_k_weights [T, k])`` (Qwen3-MoE, Mixtral, OLMoE, ...). ``W8A8Experts`` takes 
 token's row quantized per token (the module's ``Act``), its k routed rows through the gate/up
 weights of their experts (one grouped launch), ``act(gate) * up`` quantized per row, then the down
 weights with each row's routing weight in the epilogue (a second launch, each row rounded once
-to the model's dtype), and the k rows of a token added in fp32. The weights are the experts' own, quantized per output channel, or, from
-a native FP8 checkpoint (``fp8_experts``), per 128x128 block with activations per 1x128 group.
+to the model's dtype), and the k rows of a token added in fp32. The weights are the experts' own,
+quantized per output channel, or, from a native FP8 checkpoint (``fp8_experts``), per 128x128 block with activations per 1x128 group.
 
 ``quantize_experts(model, "int8" | "fp8")`` is the one call that turns a float MoE model's experts
 into these (fusepass's own per-channel recipe; torchao has none for 3-D expert weights): what it

@@ -137,6 +137,14 @@ def _dp4a(w, x, acc):
 
 
 @triton.jit
+def gemv_cols(pid_n, N, BLOCK_N: tl.constexpr):
+    """A program's BLOCK_N columns (rows of b.T): (cols, offs_n, with ragged ones read as column 0,
+    masked at the store). It takes no pointer: a kernel stores to its result (``gemv_rows``' note)."""
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    return cols, tl.where(cols < N, cols, 0).to(tl.int64)
+
+
+@triton.jit
 def gemv_rows(
     pid_n,  # this program's block of BLOCK_N rows of b.T
     a_ptr, b_ptr,  # (1, K), (K, N) with unit stride along K
@@ -148,13 +156,12 @@ def gemv_rows(
     g_ptr, GATED: tl.constexpr,  # QUANT: the row is silu(g) * a (_row_block); else None, False
     DP4A: tl.constexpr = False,  # int8, EVEN_K, rows word-aligned (launch.dp4a_rows): words, dp4a
 ):
-    """The main loop: acc (BLOCK_N,) of a @ b's columns ``pid_n * BLOCK_N + arange(BLOCK_N)`` (ragged
-    ones read as column 0). Also ``group.py``'s, at M = 1, and ``grouped.py``'s row kernel's. The
-    callers compute the columns they store to themselves: Inductor's analysis of a kernel counts
-    every pointer argument of a helper whose result reaches a store's address as written
-    (``grouped_gemv_kernel``'s note)."""
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    offs_n = tl.where(cols < N, cols, 0).to(tl.int64)  # ragged N: row 0 again, masked at the store
+    """The main loop: acc (BLOCK_N,) of a @ b's columns ``gemv_cols(pid_n, N, BLOCK_N)``. Also
+    ``group.py``'s, at M = 1, and ``grouped.py``'s row kernel's. The callers take the columns they
+    store to from ``gemv_cols``, not from here: Inductor's analysis of a kernel counts every pointer
+    argument of a helper whose result reaches a store's address as written (``a`` and ``b`` here;
+    ``grouped_gemv_kernel``'s note)."""
+    _, offs_n = gemv_cols(pid_n, N, BLOCK_N)
     row_starts = b_ptr + offs_n * stride_bn  # (BLOCK_N,): the rows of b.T
     is_int8: tl.constexpr = b_ptr.dtype.element_ty == tl.int8
     acc_dtype: tl.constexpr = tl.int32 if is_int8 else tl.float32
@@ -216,8 +223,7 @@ def scaled_gemv_kernel(
         x_scale = row_scale(a_ptr, g_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED, FLOOR_FIRST)
     acc = gemv_rows(tl.program_id(0), a_ptr, b_ptr, N, K, stride_ak, stride_bn,
                     BLOCK_N, BLOCK_K, EVEN_K, x_scale, QUANT, g_ptr, GATED, DP4A)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_n = tl.where(cols < N, cols, 0).to(tl.int64)
+    cols, offs_n = gemv_cols(tl.program_id(0), N, BLOCK_N)
     # As a (1, BLOCK_N) tile, so the epilogue is scaled_mm_kernel's.
     rows = tl.zeros((1,), dtype=tl.int64)
     if QUANT:  # the row's scale in a register, then the epilogue's other steps, in its order
@@ -262,8 +268,7 @@ def blockwise_gemv_kernel(
     (floored) / 448, so, unlike a per-token scale, it needs no read of the row beforehand. A
     group holding a NaN or an infinity gets a NaN scale (its outputs NaN, as eager's)."""
     pid_n = tl.program_id(0)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
-    offs_n = tl.where(cols < N, cols, 0).to(tl.int64)  # ragged N: row 0 again, masked at the store
+    cols, offs_n = gemv_cols(pid_n, N, BLOCK_N)
     row_starts = b_ptr + offs_n * stride_bn  # (BLOCK_N,)
     nb = (pid_n * BLOCK_N) // GROUP_K  # the N block of every row of this program
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K

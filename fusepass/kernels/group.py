@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv import gemv_rows
+from .gemv import gemv_cols, gemv_rows
 from .scaled_mm import epilogue, k_slice, pointer_mainloop, split_k_sum
 
 
@@ -48,8 +48,7 @@ def _member_tile(
     if GEMV:  # (BLOCK_N rows of b.T; BLOCK_M is 1)
         acc = gemv_rows(pid_n, a_ptr, b_ptr, N, K, stride_ak, stride_bn, BLOCK_N, BLOCK_K, EVEN_K,
                         1.0, False, None, False, DP4A)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (computed here: gemv_rows' note)
-        offs_n = tl.where(cols < N, cols, 0).to(tl.int64)
+        cols, offs_n = gemv_cols(pid_n, N, BLOCK_N)
         rows = tl.zeros((1,), dtype=tl.int64)
         x = epilogue(acc[None, :], rows, offs_n, scale_a_ptr, scale_b_ptr, bias_ptr, None, None,
                       SCALE_A_PER_TOKEN, SCALE_B_PER_CHANNEL, HAS_BIAS, 0, False)

@@ -108,7 +108,7 @@ def grouped_gemv_kernel(
         if QUANT:  # (each program reads the row twice more, from L2: its amax, then its blocks)
             x_scale = row_scale(row_ptr, gate_ptr, K, stride_ak, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED, FLOOR_FIRST)
         acc = gemv_rows(tl.program_id(1), row_ptr, b_ptr + e * stride_be, N, K, stride_ak, stride_bn, BLOCK_N,
-                                 BLOCK_K, EVEN_K, x_scale, QUANT, gate_ptr, GATED, DP4A)
+                        BLOCK_K, EVEN_K, x_scale, QUANT, gate_ptr, GATED, DP4A)
     else:
         acc = _rows_any_strides(a_ptr, b_ptr, scale_a_ptr, scale_b_ptr, a_row, e, cols.to(tl.int64), N, K, stride_am,
                                 stride_ak, stride_be, stride_bk, stride_bn, stride_sam, stride_sag, stride_sbe, stride_sbg,
