@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv import gemv_rows, row_scale
+from .gemv import gemv_cols, gemv_rows, row_scale
 from .scaled_mm import mma
 
 
@@ -96,10 +96,10 @@ def grouped_gemv_kernel(
     e = tl.load(ids_ptr + m).to(tl.int64)
     valid = (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
-    # (the stores' addresses from values computed here: Inductor's analysis of which arguments
-    # a kernel writes counts every pointer passed to a helper whose result reaches a store's
-    # address as written, and functionalization then copies those weights)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # (the stores' columns from a helper that takes no pointer: Inductor's analysis of which
+    # arguments a kernel writes counts every pointer passed to a helper whose result reaches a
+    # store's address as written, and functionalization then copies those weights)
+    cols, _ = gemv_cols(tl.program_id(1), N, BLOCK_N)
     x_scale = 1.0
     if K_CONTIG:
         row_ptr, gate_ptr = a_ptr + a_row * stride_am, g_ptr
