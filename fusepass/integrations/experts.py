@@ -6,8 +6,9 @@ top_k_weights [T, k])`` (Qwen3-MoE, Mixtral, OLMoE, ...). ``W8A8Experts`` takes 
 token's row quantized per token (the module's ``Act``), its k routed rows through the gate/up
 weights of their experts (one grouped launch), ``act(gate) * up`` quantized per row, then the down
 weights with each row's routing weight in the epilogue (a second launch, each row rounded once
-to the model's dtype), and the k rows of a token added in fp32. The weights are the experts' own,
-quantized per output channel, or, from a native FP8 checkpoint (``fp8_experts``), per 128x128 block with activations per 1x128 group.
+to the model's dtype), and the k rows of a token added in fp32 (``add_rows``). The weights are
+the experts' own, quantized per output channel, or, from a native FP8 checkpoint
+(``fp8_experts``), per 128x128 block with activations per 1x128 group.
 
 ``quantize_experts(model, "int8" | "fp8")`` is the one call that turns a float MoE model's experts
 into these (fusepass's own per-channel recipe; torchao has none for 3-D expert weights): what it
@@ -91,13 +92,27 @@ class W8A8Experts(nn.Module):
             q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)
             y = scaled_grouped_mm(q2, down, scale2, down_scale, ids, hidden_states.dtype, row_weights=weights)
         # (each weighted row rounded once to the model's dtype, as transformers' experts round theirs
-        # (twice): half the bytes of fp32 rows to write and read again at prefill; a bf16 or fp16
-        # sum accumulates in fp32 and rounds once)
-        return y.view(T, k, self.hidden_dim).sum(dim=1)
+        # (twice): half the bytes of fp32 rows to write and read again at prefill)
+        return add_rows(y, k)
 
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
                 f"act={self.act.kind}")
+
+
+def add_rows(y: torch.Tensor, k: int) -> torch.Tensor:
+    """Each token's k consecutive rows of ``y`` [T * k, H] added in fp32 and rounded once to
+    ``y``'s dtype. Traced, as the k slices added in turn: Inductor makes that one pointwise kernel
+    at about the read rate, where its reduction of ``view(T, k, H).sum(dim=1)`` read at a quarter
+    of it (docs/PERFORMANCE.md, "Mixture of experts"). Eagerly, torch's sum: one kernel, which
+    accumulates bf16 and fp16 in fp32."""
+    rows = y.view(-1, k, y.shape[-1])
+    if not torch.compiler.is_compiling():
+        return rows.sum(dim=1)
+    total = rows[:, 0].float()
+    for j in range(1, k):
+        total = total + rows[:, j].float()
+    return total.to(y.dtype)
 
 
 def is_silu(fn) -> bool:

@@ -337,3 +337,24 @@ def test_down_writes_rows_in_the_models_dtype_and_a_tokens_rows_add_in_fp32(kind
     h, y = rows  # (gate/up's output, then down's)
     assert h.dtype == y.dtype == torch.bfloat16 and y.shape == (3 * 4, module.hidden_dim)
     assert torch.equal(out, y.view(3, 4, -1).float().sum(1).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_add_rows_adds_a_tokens_rows_in_fp32_and_rounds_once(dtype, traced, monkeypatch):
+    """``add_rows`` in both of its forms (torch's sum eagerly; traced, the k slices added in turn,
+    which Inductor reads at the read rate): a token's k rows added in fp32, rounded once. A row of
+    1 and seven of 2^-9 sum to 1.0137 (bf16: 1.015625); added in bf16 each 2^-9 is lost (1.0)."""
+    from fusepass.integrations.experts import add_rows
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
+    g = torch.Generator().manual_seed(3)
+    y = (torch.randn(5 * 8, 64, generator=g) * 30).to(dtype)
+    y[8:16, 0] = torch.tensor([1.0] + [2.0 ** -9] * 7, dtype=dtype)
+    got = add_rows(y, 8)
+    exact = y.double().view(5, 8, 64).sum(1)
+    assert got.dtype == dtype and got.shape == (5, 64)
+    assert got[1, 0].item() == exact[1, 0].to(dtype).item() == (1.015625 if dtype == torch.bfloat16 else 1 + 7 * 2.0 ** -9)
+    # (fp32 sums in another order differ by fp32's rounding, under one rounding to bf16 / fp16)
+    torch.testing.assert_close(got.double(), exact, rtol=2 * torch.finfo(dtype).eps, atol=1e-4)
+    assert add_rows(y[:0], 8).shape == (0, 64)
