@@ -76,7 +76,7 @@ class W8A8Experts(nn.Module):
                               recurse)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        act, (T, k) = ACTS[self.act_index], top_k_index.shape
+        act, k = ACTS[self.act_index], top_k_index.shape[1]
         q, scale, _ = quantize_input(hidden_states, act)
         ids = top_k_index.reshape(-1)  # (each token's k routed rows read its one quantized row)
         h = scaled_grouped_mm(q, self.gate_up.transpose(1, 2), scale, _op_scale(self.gate_up_scale), ids,
@@ -84,7 +84,8 @@ class W8A8Experts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         down, down_scale, weights = self.down.transpose(1, 2), _op_scale(self.down_scale), top_k_weights.reshape(-1)
         if act.kind in ("int8", "fp8") and act.ceiling is None and is_silu(self.act_fn):
-            # (SiLU-mul and quantization inside down's kernel at decode: ops/grouped_dynamic.py)
+            # (SiLU-mul and quantization inside down's kernel at decode, in one kernel before it at
+            # prefill: ops/grouped_dynamic.py)
             divisor, floor = row_recipe(act)
             y = scaled_grouped_mm_dynamic(up, down, down_scale, ids, hidden_states.dtype, row_weights=weights,
                                           divisor=divisor, floor=floor, gate=gate)

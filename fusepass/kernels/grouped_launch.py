@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .blockwise import BLOCK
 from .direct import launcher
 from .grouped import grouped_gemv_kernel, grouped_mm_kernel, route_count_kernel, route_kernel
+from .quantize import quantize_rows_kernel
 from .launch import INTERPRETED, dp4a_rows, flat, on_device, traced
 from .policy import GroupedTiles, floors_first, grouped_tiles
 
@@ -26,6 +27,8 @@ ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
 # 256 (docs/PERFORMANCE.md, "Mixture of experts": "The route"), and a default-mode step is bound
 # by its launches.
 ROUTE_ONE_PROGRAM_MAX_M = 128
+# quantized_rows' widest block: a row of up to this many elements in one read
+QUANTIZE_BLOCK_K = 4096
 
 
 def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,17 +71,32 @@ class Recipe:
 def grouped_quantizes(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, expert_ids: torch.Tensor,
                       gate: torch.Tensor | None = None) -> GroupedTiles | None:
     """Where ``launch_scaled_grouped_mm`` takes a float ``x`` and a ``Recipe``, the tiles it takes
-    there (else None): the row kernel's rows (``policy.grouped_tiles``), an int8 or e4m3 ``b``
-    contiguous along K, scales per channel or per expert (not per block), and a gate, if any, of
-    ``x``'s strides (the kernel reads both by one set: a MoE layer's gate and up, halves of one
-    output, have them)."""
+    there (else None): an int8 or e4m3 ``b``, scales per channel or per expert (not per block),
+    and a gate, if any, of ``x``'s strides (the kernels read both by one set: a MoE layer's gate
+    and up, halves of one output, have them); and where ``policy.grouped_tiles`` picks the row
+    kernel, ``b`` contiguous along K (its gemv.py loop quantizes; the sorted blocks take rows
+    ``quantized_rows`` quantized first)."""
     M, E, K, N = expert_ids.shape[0], b.shape[0], b.shape[1], b.shape[2]
     k_contig = statically_known_true(b.stride(1) == 1)
     same_strides = gate is None or all(statically_known_true(g == s) for g, s in zip(gate.stride(), x.stride()))
-    if b.dtype not in (torch.int8, torch.float8_e4m3fn) or scale_b.dim() == 3 or not (k_contig and same_strides):
+    if b.dtype not in (torch.int8, torch.float8_e4m3fn) or scale_b.dim() == 3 or not same_strides:
         return None
-    tiles = grouped_tiles(M, N, K, E, True, True)
-    return tiles if tiles.rows else None
+    tiles = grouped_tiles(M, N, K, E, k_contig, True)
+    return None if tiles.rows and not k_contig else tiles
+
+
+def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, K] of ``dtype``, scale [M] fp32): ``x``'s rows (given ``recipe.gate``, of
+    ``silu(gate) * x``) quantized by ``recipe``, a program a row (``quantize.quantize_rows_kernel``)."""
+    M, K = x.shape
+    q = torch.empty((M, K), dtype=dtype, device=x.device)
+    scale = torch.empty((M,), dtype=torch.float32, device=x.device)
+    block_k = min(triton.next_power_of_2(max(int(K), 16)), QUANTIZE_BLOCK_K)
+    launcher(quantize_rows_kernel, fake)[(M,)](
+        x, recipe.gate, q, scale, K, x.stride(0), x.stride(1), DIVISOR=float(recipe.divisor),
+        FLOOR=float(recipe.floor), FLOOR_FIRST=floors_first(dtype, recipe.floor_first), GATED=recipe.gate is not None,
+        BLOCK_K=block_k, EVEN_K=statically_known_true(K % block_k == 0), num_warps=4 if block_k <= 1024 else 8)
+    return q, scale
 
 
 def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,
@@ -86,8 +104,9 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     """The op's CUDA path (and, under Triton's interpreter, CPU tensors): inputs validated by
     ``ops.grouped.check_grouped_args``. Returns the new contiguous (M, N) output. ``tiles``
     overrides ``policy.grouped_tiles`` (tests, benchmarks/bench_grouped.py's sweep). ``recipe``
-    (where ``grouped_quantizes``): ``a`` is a float [M, K], quantized per row in the row kernel
-    (``ops.grouped_dynamic``), ``scale_a`` None."""
+    (where ``grouped_quantizes``): ``a`` is a float [M, K] and ``scale_a`` None; the row kernel
+    quantizes its rows itself (``ops.grouped_dynamic``), the sorted blocks take them from
+    ``quantized_rows`` (a launch before)."""
     T, K = a.shape
     M, E, N = expert_ids.shape[0], b.shape[0], b.shape[2]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -95,6 +114,16 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     if statically_known_true(M == 0) or statically_known_true(N == 0) or (INTERPRETED and fake):
         return out
     blocks = scale_b.dim() == 3  # (fp8 with 128x128 block scales: ops.grouped)
+    # (the row kernel's gemv.py loop: rows of b.T, contiguous along K; block scales keep the tiles')
+    k_contig = not blocks and statically_known_true(b.stride(1) == 1)
+    t = tiles or grouped_tiles(M, N, K, E, k_contig, recipe is not None)
+    if recipe is not None and (blocks or (t.rows and not k_contig)):
+        raise ValueError("launch_scaled_grouped_mm: a recipe (float rows quantized in the launch) needs scales per "
+                         "channel or per expert, and on the row kernel b contiguous along K (grouped_quantizes); got "
+                         f"tiles {t}, b strides {tuple(b.stride())}, scale_b {tuple(scale_b.shape)}")
+    if recipe is not None and not t.rows:  # (the rows quantized first, then the sorted blocks take them)
+        a, scale_a = on_device(a, fake, lambda: quantized_rows(a, b.dtype, recipe, fake))
+        recipe = None
     # (the kernels read the ids, per-row vectors and a row of per-channel values contiguous)
     expert_ids, w = flat(expert_ids, fake), flat(row_weights, fake)
     bias = None if bias is None else bias.contiguous()
@@ -111,12 +140,6 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     flags = dict(SCALE_A_PER_ROW=blocks or sa is None or sa.numel() != 1 or T == 1,
                  SCALE_B_PER_CHANNEL=blocks or sb.shape[1] != 1 or N == 1,
                  HAS_BIAS=bias is not None, HAS_ROW_WEIGHTS=w is not None, BLOCK_SCALES=blocks)
-    # (the row kernel's gemv.py loop: rows of b.T, contiguous along K; block scales keep the tiles')
-    k_contig = not blocks and statically_known_true(b.stride(1) == 1)
-    t = tiles or grouped_tiles(M, N, K, E, k_contig, recipe is not None)
-    if recipe is not None and not (t.rows and k_contig):
-        raise ValueError("launch_scaled_grouped_mm: a recipe (float rows quantized in the kernel) needs the row kernel "
-                         f"and b contiguous along K (grouped_quantizes); got tiles {t}, b strides {tuple(b.stride())}")
     if blocks and t.block_k > BLOCK:  # (a K slice within one group of the scales)
         t = replace(t, block_k=BLOCK)
     tiling = dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)

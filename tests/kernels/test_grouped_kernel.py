@@ -158,12 +158,12 @@ def test_the_kernels_with_a_row_of_a_a_token(tokens, top_k, dtype):
 
 
 WRITTEN = {"grouped_gemv_kernel": {"out_ptr"}, "grouped_mm_kernel": {"out_ptr"}, "route_count_kernel": {"counts_ptr"},
-           "route_kernel": {"rows_ptr", "block_experts_ptr"}}
+           "route_kernel": {"rows_ptr", "block_experts_ptr"}, "quantize_rows_kernel": {"q_ptr", "scale_ptr"}}
 
 
 def test_every_launch_names_every_argument_and_writes_only_its_outputs(monkeypatch):
     """Each launch of the grouped kernels (the row kernel plain and quantizing its gated rows,
-    the blocks, both routes) passes every argument: the direct launcher and ``wrap_triton`` bind
+    the blocks plain and after the rows' quantization kernel, both routes) passes every argument: the direct launcher and ``wrap_triton`` bind
     no defaults (the interpreter, which would take one, runs them here). And Inductor's analysis
     of the kernels (``tests/support/helpers.written_arguments``) finds it writes its outputs
     alone: an input it counted as written would be copied by functionalization at every call (a
@@ -178,6 +178,9 @@ def test_every_launch_names_every_argument_and_writes_only_its_outputs(monkeypat
         launch_scaled_grouped_mm(*p.args())
     x = torch.randn(4, 64).to(torch.bfloat16).to(DEVICE)
     p = make_grouped(4, 1, 8, 24, 64, device=DEVICE, seed=1)
+    launch_scaled_grouped_mm(x, p.b, None, p.scale_b, p.expert_ids, torch.float32, recipe=Recipe(127.5, 1e-8, None, x))
+    x = torch.randn(40, 64).to(torch.bfloat16).to(DEVICE)
+    p = make_grouped(40, 1, 8, 24, 64, device=DEVICE, seed=2)
     launch_scaled_grouped_mm(x, p.b, None, p.scale_b, p.expert_ids, torch.float32, recipe=Recipe(127.5, 1e-8, None, x))
     assert {k.__name__ for k, _ in launches} == set(WRITTEN)
     for (kernel, _), written in zip(launches, written_arguments(launches)):

@@ -2,6 +2,7 @@
 SiLU-mul of gate and up) quantized per row, then ``scaled_grouped_mm``. The row kernel quantizing
 its rows (``grouped_gemv_kernel``'s QUANT and GATED) against the quantization then the op: in
 Triton's interpreter bit for bit, on a GPU within a step of the quantization (Triton's ``exp``);
+above the row kernel's rows, the rows quantized by their own kernel then the sorted blocks, alike;
 the unfused path elsewhere; NaN rows; opcheck; an error naming the argument for every bad input."""
 
 import pytest
@@ -88,23 +89,34 @@ def _unfused_op(x, gate, p, out_dtype):
     return fusepass.scaled_grouped_mm(q, p.b, s, p.scale_b, p.expert_ids, out_dtype, p.bias, p.row_weights)
 
 
-def test_more_rows_than_the_row_kernel_takes_run_unfused():
-    x, gate, p = _problem(GROUPED_ROWS_MAX_M + 8, 8, 32, 64, I8, seed=3)
-    assert not grouped_quantizes(x, p.b, p.scale_b, p.expert_ids)
-    want = _unfused_op(x, gate, p, BF16)
-    got = fusepass.scaled_grouped_mm_dynamic(x, p.b, p.scale_b, p.expert_ids, BF16, p.bias, p.row_weights,
-                                             127.5, SCALE_EPS, gate)
-    assert torch.equal(got, want)
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("gated", [False, True], ids=["rows", "gated"])
+@pytest.mark.parametrize("K", [64, 200])
+def test_more_rows_than_the_row_kernel_takes_are_quantized_first_then_the_blocks(dtype, gated, K):
+    """Above the row kernel's rows, ``quantize_rows_kernel`` quantizes the rows (one launch), then
+    the sorted blocks: the quantization then the op (bit for bit in the interpreter)."""
+    x, gate, p = _problem(GROUPED_ROWS_MAX_M + 8, 8, 32, K, dtype, seed=3 + K)
+    gate = gate if gated else None
+    tiles = grouped_quantizes(x, p.b, p.scale_b, p.expert_ids, gate)
+    assert tiles is not None and not tiles.rows
+    want, s = _unfused(x, gate, p)
+    _assert_within_a_step(_fused(x, gate, p), want, s, p)
 
 
-def test_a_weight_not_contiguous_along_k_runs_unfused():
+def test_a_weight_not_contiguous_along_k_runs_unfused_on_the_row_kernel_and_quantized_first_on_the_blocks():
     x, gate, p = _problem(4, 8, 32, 64, I8, seed=4)
-    p.b = p.b.contiguous()  # ([E, K, N] row-major)
+    p.b = p.b.contiguous()  # ([E, K, N] row-major: not the row kernel's loop)
     assert not grouped_quantizes(x, p.b, p.scale_b, p.expert_ids)
     want = _unfused_op(x, gate, p, torch.float32)
     got = fusepass.scaled_grouped_mm_dynamic(x, p.b, p.scale_b, p.expert_ids, torch.float32, p.bias, p.row_weights,
                                              127.5, SCALE_EPS, gate)
     assert torch.equal(got, want)
+    x, gate, p = _problem(GROUPED_ROWS_MAX_M + 1, 8, 32, 64, I8, seed=4)
+    p.b = p.b.contiguous()
+    tiles = grouped_quantizes(x, p.b, p.scale_b, p.expert_ids, gate)
+    assert tiles is not None and not tiles.rows
+    want, s = _unfused(x, gate, p)
+    _assert_within_a_step(_fused(x, gate, p), want, s, p)
 
 
 def test_gate_and_up_cut_from_one_output_are_quantized_in_the_kernel_and_other_strides_unfused():
@@ -172,13 +184,15 @@ def test_bad_inputs_are_refused_by_name(change, error, message):
     assert message in str(e.value) and "fusepass.scaled_grouped_mm_dynamic" in str(e.value), str(e.value)
 
 
-def test_the_launch_refuses_a_recipe_off_the_row_kernel():
+def test_the_launch_refuses_a_recipe_it_cannot_take():
     from fusepass.kernels.policy import GroupedTiles
 
-    x, gate, p = _problem(4, 8, 32, 64, I8, seed=11, device="cpu")
-    recipe = Recipe(127.5, SCALE_EPS, None, gate)
-    with pytest.raises(ValueError, match="a recipe .* needs the row kernel and b contiguous along K"):
-        launch_scaled_grouped_mm(x, p.b, None, p.scale_b, p.expert_ids, torch.float32, recipe=recipe,
+    x, gate, p = _problem(4, 8, 32, 256, F8, seed=11, device="cpu")
+    recipe = Recipe(448.0, SCALE_EPS, None, gate)
+    with pytest.raises(ValueError, match="a recipe .* on the row kernel b contiguous along K.*got tiles rows"):
+        launch_scaled_grouped_mm(x, p.b.contiguous(), None, p.scale_b, p.expert_ids, torch.float32, recipe=recipe,
+                                 tiles=GroupedTiles(True, 1, 8, 64, 2, 3))
+    blocks = torch.ones(8, 2, 1)  # (per 128x128 block: the groups' own quantization, not a row's)
+    with pytest.raises(ValueError, match="a recipe .* needs scales per channel or per expert.*scale_b \\(8, 2, 1\\)"):
+        launch_scaled_grouped_mm(x, p.b, None, blocks, p.expert_ids, torch.float32, recipe=recipe,
                                  tiles=GroupedTiles(False, 16, 32, 64, 4, 2))
-    with pytest.raises(ValueError, match="got tiles rows"):
-        launch_scaled_grouped_mm(x, p.b.contiguous(), None, p.scale_b, p.expert_ids, torch.float32, recipe=recipe)

@@ -78,12 +78,13 @@ def test_gpu_cuda_graph_replays_new_routing(M):
     assert not torch.equal(out, eager)
 
 
-@pytest.mark.parametrize("tokens", [1, 16])
-def test_gpu_experts_module_compiled_into_cuda_graphs(tokens):
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 16])  # (16 x top-4: the sorted blocks, after the rows' quantization kernel)
+def test_gpu_experts_module_compiled_into_cuda_graphs(tokens, kind):
     from tests.integrations.test_experts import _routed_inputs, moe_model
 
     model = moe_model("qwen3_moe").cuda()
-    quantize_experts(model, "fp8")
+    quantize_experts(model, kind)
     module = next(m for m in model.modules() if isinstance(m, W8A8Experts))
     inputs = _routed_inputs(tokens, 128, 16, 4, seed=tokens, device="cuda")
     torch._dynamo.reset()

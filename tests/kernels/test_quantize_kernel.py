@@ -1,0 +1,69 @@
+"""``quantize_rows_kernel`` (``kernels/quantize.py``, launched by ``grouped_launch.quantized_rows``):
+float rows (given a gate, ``silu(gate) * x``) quantized per row by ``ops.dynamic.quantize_rows``'
+recipes. In Triton's interpreter bit for bit against the ATen ops (the SiLU-mul as eager rounds
+it); on a GPU the scales alike and the values within one step of the grid (Triton's ``exp``)."""
+
+import pytest
+import torch
+
+from fusepass.integrations.linear import SCALE_EPS
+from fusepass.kernels import grouped_launch
+from fusepass.kernels.grouped_launch import Recipe, quantized_rows
+from fusepass.ops.dynamic import quantize_rows
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+I8, F8, BF16 = torch.int8, torch.float8_e4m3fn, torch.bfloat16
+
+
+def _rows(M, K, dtype=BF16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(M, K, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(2)]
+
+
+def _check(x, gate, dtype, divisor, floor=SCALE_EPS, floor_first=None):
+    q, s = quantized_rows(x, dtype, Recipe(divisor, floor, floor_first, gate), fake=False)
+    row = x if gate is None else torch.nn.functional.silu(gate) * x
+    want_q, want_s = quantize_rows(row, dtype, divisor, floor, floor_first)
+    assert q.dtype == dtype and q.shape == x.shape and q.is_contiguous() and s.shape == (x.shape[0],)
+    if DEVICE == "cpu" or gate is None:
+        assert torch.equal(s, want_s.flatten()) and torch.equal(q.float(), want_q.float())
+    else:  # (a gated value may round to a neighbour: one step of the grid, and the amax with it)
+        torch.testing.assert_close(s, want_s.flatten(), rtol=1e-2, atol=0)
+        step = 1.0 if dtype == I8 else 32.0
+        assert ((q.float() - want_q.float()).abs() <= step).all()
+
+
+@pytest.mark.parametrize("dtype,divisor", [(I8, 127.5), (I8, 127.0), (F8, 448.0)], ids=["int8", "int8-127", "fp8"])
+@pytest.mark.parametrize("gated", [False, True], ids=["rows", "gated"])
+@pytest.mark.parametrize("M,K", [(40, 768), (3, 1), (5, 100), (2, grouped_launch.QUANTIZE_BLOCK_K + 40)])
+def test_rows_are_quantize_rows_of_the_rows(dtype, divisor, gated, M, K):
+    """K of one block, a ragged one, one element, and more than a block (two reads of the row)."""
+    x, gate = _rows(M, K, seed=M + K)
+    _check(x, gate if gated else None, dtype, divisor)
+
+
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("floor_first", [True, False])
+def test_the_floor_and_its_order(dtype, floor_first):
+    x, _ = _rows(6, 64, seed=4)
+    x[2] = 0  # (a zero row: the floor's scale)
+    x[3] = x[3] * 1e-3
+    _check(x, None, dtype, 448.0 if dtype == F8 else 127.5, floor=0.01, floor_first=floor_first)
+
+
+def test_strided_rows_and_gates_cut_from_one_output():
+    """A gate/up projection's output, halves of one [M, 2K] tensor: both read by its strides;
+    fp16 and fp32 rows too."""
+    for dtype in (BF16, torch.float16, torch.float32):
+        h = torch.cat(_rows(7, 96, dtype, seed=5), 1)
+        gate, up = h.chunk(2, dim=-1)
+        _check(up, gate, I8, 127.5)
+
+
+@pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nan_or_an_infinity_makes_the_rows_scale_nan(dtype, value):
+    x, gate = _rows(4, 64, seed=6)
+    gate[1, 5] = value
+    _, s = quantized_rows(x, dtype, Recipe(127.5, SCALE_EPS, None, gate), fake=False)
+    assert s[1].isnan() and not s[[0, 2, 3]].isnan().any()
