@@ -151,13 +151,15 @@ def bench_point(proj: str, E, K, N, k, M, device, l2_bytes: int, smoke: bool, sw
     g = torch.Generator(device=device).manual_seed(M * 7 + N + K)
     weights = {name: quantized((E, N, K), dt, device, g) for name, dt in DTYPES.items()}
     impls = {f"fusepass {name}": (dt, None, False) for name, dt in DTYPES.items()}
-    gated = proj == "down" and M <= GROUPED_ROWS_MAX_M  # (where the row kernel quantizes down's gated rows)
+    # (down's rows as gate and up: the row kernel quantizes them, or above its rows quantize_rows_kernel)
+    gated = proj == "down"
     if gated:
         impls[GATED] = (torch.int8, None, True)
     if sweep:
-        impls.update({f"{SWEPT}{t}": (torch.int8, t, False) for t in SWEEP if t.rows == (M <= 32) or not t.rows})
+        swept = [t for t in SWEEP if t.rows == (M <= GROUPED_ROWS_MAX_M) or not t.rows]
+        impls.update({f"{SWEPT}{t}": (torch.int8, t, False) for t in swept})
         if gated:
-            impls.update({f"{SWEPT_GATED}{t}": (torch.int8, t, True) for t in SWEEP if t.rows})
+            impls.update({f"{SWEPT_GATED}{t}": (torch.int8, t, True) for t in swept})
     per_call = E * K * N if M >= E else min(M, E) * K * N  # (bytes a call reads at most)
     copies = 1 if smoke else max(1, min(64, math.ceil(3 * l2_bytes / per_call)))
     rows, graphs, made = [], {}, {}

@@ -84,8 +84,8 @@ class W8A8Experts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         down, down_scale, weights = self.down.transpose(1, 2), _op_scale(self.down_scale), top_k_weights.reshape(-1)
         if act.kind in ("int8", "fp8") and act.ceiling is None and is_silu(self.act_fn):
-            # (SiLU-mul and quantization inside down's kernel at decode, in one kernel before it at
-            # prefill: ops/grouped_dynamic.py)
+            # (SiLU-mul and quantization inside down's kernel up to 32 routed rows, in one kernel
+            # before it above: ops/grouped_dynamic.py)
             divisor, floor = row_recipe(act)
             y = scaled_grouped_mm_dynamic(up, down, down_scale, ids, hidden_states.dtype, row_weights=weights,
                                           divisor=divisor, floor=floor, gate=gate)

@@ -1,5 +1,6 @@
 """Launch of the mixture-of-experts kernels (``grouped.py``): the kernel and tiles of
-``policy.grouped_tiles``, the rows' order for the block kernel (``route``).
+``policy.grouped_tiles``, the rows' order for the block kernel (``route``), and float rows
+quantized before it (``quantized_rows``, ``quantize.py``'s kernel).
 
 Everything here has a shape fixed by M, E and the tile (no host sync, no data-dependent size):
 a step captures in a CUDA graph and traces under ``torch.compile``. As the other launches,
@@ -17,9 +18,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .blockwise import BLOCK
 from .direct import launcher
 from .grouped import grouped_gemv_kernel, grouped_mm_kernel, route_count_kernel, route_kernel
-from .quantize import quantize_rows_kernel
 from .launch import INTERPRETED, dp4a_rows, flat, on_device, traced
 from .policy import GroupedTiles, floors_first, grouped_tiles
+from .quantize import quantize_rows_kernel
 
 ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
 # Up to this many rows, route_kernel runs as one program; above, a program a chunk of rows, after
@@ -59,8 +60,9 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
 
 @dataclass(frozen=True)
 class Recipe:
-    """How the row kernel quantizes its float rows (``ops.grouped_dynamic``): ``quantize_rows``'
-    divisor, floor and order, and the gates where the rows are ``silu(gate) * x``."""
+    """How float rows are quantized in a launch (``ops.grouped_dynamic``: by the row kernel, or by
+    ``quantized_rows`` before the sorted blocks): ``quantize_rows``' divisor, floor and order, and
+    the gates where the rows are ``silu(gate) * x``."""
 
     divisor: float
     floor: float
@@ -85,7 +87,8 @@ def grouped_quantizes(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, e
     return None if tiles.rows and not k_contig else tiles
 
 
-def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe,
+                   fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [M, K] of ``dtype``, scale [M] fp32): ``x``'s rows (given ``recipe.gate``, of
     ``silu(gate) * x``) quantized by ``recipe``, a program a row (``quantize.quantize_rows_kernel``)."""
     M, K = x.shape
@@ -117,10 +120,14 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     # (the row kernel's gemv.py loop: rows of b.T, contiguous along K; block scales keep the tiles')
     k_contig = not blocks and statically_known_true(b.stride(1) == 1)
     t = tiles or grouped_tiles(M, N, K, E, k_contig, recipe is not None)
-    if recipe is not None and (blocks or (t.rows and not k_contig)):
+    gate = None if recipe is None else recipe.gate
+    odd_gate = gate is not None and not all(statically_known_true(g == s) for g, s in zip(gate.stride(), a.stride()))
+    if recipe is not None and (blocks or odd_gate or (t.rows and not k_contig)):
         raise ValueError("launch_scaled_grouped_mm: a recipe (float rows quantized in the launch) needs scales per "
-                         "channel or per expert, and on the row kernel b contiguous along K (grouped_quantizes); got "
-                         f"tiles {t}, b strides {tuple(b.stride())}, scale_b {tuple(scale_b.shape)}")
+                         "channel or per expert, a gate of the rows' strides, and on the row kernel b contiguous "
+                         f"along K (grouped_quantizes); got tiles {t}, b strides {tuple(b.stride())}, scale_b "
+                         f"{tuple(scale_b.shape)}, rows' strides {tuple(a.stride())}, gate's "
+                         f"{None if gate is None else tuple(gate.stride())}")
     if recipe is not None and not t.rows:  # (the rows quantized first, then the sorted blocks take them)
         a, scale_a = on_device(a, fake, lambda: quantized_rows(a, b.dtype, recipe, fake))
         recipe = None
@@ -133,7 +140,6 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     else:
         sa, sb, block_strides = flat(scale_a, fake), scale_b.reshape(E, -1).contiguous(), (0, 0, 0, 0)
     args = (a, b, out, sa, sb, bias, w)
-    gate = None if recipe is None else recipe.gate
     share = 1 if statically_known_true(T == M) else M // T  # (routed rows a row of ``a``)
     sizes = (M, N, K, E, share, a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), sb.stride(0),
              0 if bias is None else bias.stride(0), *block_strides)

@@ -7,9 +7,9 @@ The numbers are the M = 1 kernel's own where it quantizes its row (``gemv.py``: 
 ``_row_block``, ``_quantized``): the scale with a correctly rounded division, NaN where the row
 holds a NaN or an infinity; the SiLU-mul rounded to ``x``'s dtype after each op, as eager rounds
 it; int8 and e4m3 rounded to nearest even. The rows of a mixture of experts between its gate/up
-and down GEMMs at prefill (``grouped_launch.launch_scaled_grouped_mm`` with a recipe, on the
-sorted-block kernel) take it: Inductor's kernel for the same graph, a looped reduction, read
-them at 1.7 TB/s (docs/PERFORMANCE.md, "Mixture of experts").
+and down GEMMs take it where the sorted blocks run (``grouped_launch.launch_scaled_grouped_mm``
+with a recipe, above the row kernel's rows): Inductor's kernel for the same graph, a looped
+reduction, read them at 1.7 TB/s at prefill (docs/PERFORMANCE.md, "Mixture of experts").
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .gemv import _quantized, _row_block, row_scale
 
 @triton.jit
 def quantize_rows_kernel(
-    x_ptr, g_ptr, q_ptr, scale_ptr,  # (M, K) any strides; GATED: (M, K) of x's strides, else None; (M, K) contiguous; (M,)
+    x_ptr, g_ptr, q_ptr, scale_ptr,  # (M, K) any strides; GATED (M, K) of x's strides; (M, K) contiguous; (M,)
     K, stride_xm, stride_xk,
     DIVISOR: tl.constexpr, FLOOR: tl.constexpr, FLOOR_FIRST: tl.constexpr, GATED: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,

@@ -20,11 +20,12 @@ False. Returns a new contiguous [M, N] tensor of ``out_dtype``.
 Why an op of its own: at decode (the grouped row kernel's rows, ``policy.grouped_tiles``), with
 ``b`` contiguous along K and a gate of ``x``'s strides, each program quantizes its row itself (``kernels/gemv.py``'s QUANT and
 GATED, in ``grouped_gemv_kernel``), so neither a SiLU-mul nor a quantization kernel runs
-between a MoE layer's gate/up and down GEMMs: one launch a layer fewer. With more rows (the
-sorted blocks) one kernel quantizes the rows first, a program a row with the same numbers
-(``kernels/quantize.py``), where Inductor's kernel for the graph above took two passes over each
-row. Elsewhere (block scales, a gate of other strides, the CPU) it computes the rows with the
-ATen ops above and runs ``scaled_grouped_mm``.
+between a MoE layer's gate/up and down GEMMs: one launch a layer fewer. Above the row kernel's
+rows (``policy.GROUPED_ROWS_MAX_M`` routed rows: b16, prefill), one kernel of its own quantizes
+the rows first, a program a row with the same numbers (``kernels/quantize.py``), and the sorted
+blocks take them. Elsewhere (a ``b`` not contiguous along K at the row kernel's rows, a gate of
+other strides than ``x``'s, the CPU) it computes the rows with the ATen ops above and runs
+``scaled_grouped_mm``.
 """
 
 from __future__ import annotations

@@ -344,7 +344,8 @@ def test_down_writes_rows_in_the_models_dtype_and_a_tokens_rows_add_in_fp32(kind
 def test_add_rows_adds_a_tokens_rows_in_fp32_and_rounds_once(dtype, traced, monkeypatch):
     """``add_rows`` in both of its forms (torch's sum eagerly; traced, the k slices added in turn,
     which Inductor reads at the read rate): a token's k rows added in fp32, rounded once. A row of
-    1 and seven of 2^-9 sum to 1.0137 (bf16: 1.015625); added in bf16 each 2^-9 is lost (1.0)."""
+    1 and seven of 2^-9 sum to 1.0137 (bf16: 1.015625); added in bf16 each 2^-9 is lost (1.0). (fp16
+    holds 1 + 2^-9 exactly, so that case tells fp32 from bf16 adding only.)"""
     from fusepass.integrations.experts import add_rows
 
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: traced)
@@ -354,7 +355,8 @@ def test_add_rows_adds_a_tokens_rows_in_fp32_and_rounds_once(dtype, traced, monk
     got = add_rows(y, 8)
     exact = y.double().view(5, 8, 64).sum(1)
     assert got.dtype == dtype and got.shape == (5, 64)
-    assert got[1, 0].item() == exact[1, 0].to(dtype).item() == (1.015625 if dtype == torch.bfloat16 else 1 + 7 * 2.0 ** -9)
+    want = 1.015625 if dtype == torch.bfloat16 else 1 + 7 * 2.0 ** -9
+    assert got[1, 0].item() == exact[1, 0].to(dtype).item() == want
     # (fp32 sums in another order differ by fp32's rounding, under one rounding to bf16 / fp16)
     torch.testing.assert_close(got.double(), exact, rtol=2 * torch.finfo(dtype).eps, atol=1e-4)
     assert add_rows(y[:0], 8).shape == (0, 64)

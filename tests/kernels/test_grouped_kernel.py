@@ -163,10 +163,10 @@ WRITTEN = {"grouped_gemv_kernel": {"out_ptr"}, "grouped_mm_kernel": {"out_ptr"},
 
 def test_every_launch_names_every_argument_and_writes_only_its_outputs(monkeypatch):
     """Each launch of the grouped kernels (the row kernel plain and quantizing its gated rows,
-    the blocks plain and after the rows' quantization kernel, both routes) passes every argument: the direct launcher and ``wrap_triton`` bind
-    no defaults (the interpreter, which would take one, runs them here). And Inductor's analysis
-    of the kernels (``tests/support/helpers.written_arguments``) finds it writes its outputs
-    alone: an input it counted as written would be copied by functionalization at every call (a
+    the blocks plain and after the rows' quantization kernel, both routes) passes every
+    argument: the direct launcher and ``wrap_triton`` bind no defaults (the interpreter, which
+    would take one, runs them here). And Inductor's analysis of the kernels
+    (``tests/support/helpers.written_arguments``) finds it writes its outputs alone: an input it counted as written would be copied by functionalization at every call (a
     [E, K, N] weight's copy, 240 us, on an H200 before this held)."""
     from fusepass.kernels import grouped_launch
     from fusepass.kernels.grouped_launch import Recipe

@@ -64,7 +64,7 @@ def _assert_within_a_step(out, want, s, p):
 def test_the_row_kernel_quantizing_its_rows_is_the_quantization_then_the_op(dtype, gated, M, E, N, K):
     x, gate, p = _problem(M, E, N, K, dtype, seed=M + K)
     gate = gate if gated else None
-    assert grouped_quantizes(x, p.b, p.scale_b, p.expert_ids)
+    assert grouped_quantizes(x, p.b, p.scale_b, p.expert_ids).rows
     want, s = _unfused(x, gate, p)
     _assert_within_a_step(_fused(x, gate, p), want, s, p)
 
@@ -123,7 +123,7 @@ def test_gate_and_up_cut_from_one_output_are_quantized_in_the_kernel_and_other_s
     x, gate, p = _problem(4, 8, 32, 64, I8, seed=10)
     h = torch.cat([gate, x], 1)  # (a gate/up projection's output: its halves share their strides)
     g, up = h.chunk(2, dim=-1)
-    assert grouped_quantizes(up, p.b, p.scale_b, p.expert_ids, g)
+    assert grouped_quantizes(up, p.b, p.scale_b, p.expert_ids, g).rows
     want, s = _unfused(x, gate, p)
     _assert_within_a_step(_fused(up, g, p), want, s, p)
     # a contiguous gate beside a strided x: the kernel reads both by x's strides, so the op runs unfused
@@ -136,12 +136,13 @@ def test_gate_and_up_cut_from_one_output_are_quantized_in_the_kernel_and_other_s
 @pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("where,value", [("x", float("nan")), ("x", float("inf")), ("gate", float("nan")),
                                          ("gate", -float("inf"))])
-def test_a_nan_or_an_infinity_in_a_row_gives_a_nan_row(dtype, where, value):
-    x, gate, p = _problem(4, 8, 32, 64, dtype, seed=5)
+@pytest.mark.parametrize("M", [4, GROUPED_ROWS_MAX_M + 8], ids=["row-kernel", "blocks"])
+def test_a_nan_or_an_infinity_in_a_row_gives_a_nan_row(dtype, where, value, M):
+    x, gate, p = _problem(M, 8, 32, 64, dtype, seed=5)
     (x if where == "x" else gate)[2, 9] = value
     p.expert_ids[0] = 8  # (an id outside [0, E): NaN, as the op's)
     out = _fused(x, gate, p)
-    assert out[[0, 2]].isnan().all() and not out[[1, 3]].isnan().any()
+    assert out[[0, 2]].isnan().all() and not out[[1, 3]].isnan().any() and not out[4:].isnan().any()
 
 
 def test_an_empty_k_gives_the_bias_alone():
@@ -195,4 +196,9 @@ def test_the_launch_refuses_a_recipe_it_cannot_take():
     blocks = torch.ones(8, 2, 1)  # (per 128x128 block: the groups' own quantization, not a row's)
     with pytest.raises(ValueError, match="a recipe .* needs scales per channel or per expert.*scale_b \\(8, 2, 1\\)"):
         launch_scaled_grouped_mm(x, p.b, None, blocks, p.expert_ids, torch.float32, recipe=recipe,
+                                 tiles=GroupedTiles(False, 16, 32, 64, 4, 2))
+    up = torch.cat([gate, x], 1)[:, 256:]  # (rows of stride 512 beside a contiguous gate: one set of strides)
+    odd = "a gate of the rows' strides.*rows' strides \\(512, 1\\), gate's \\(256, 1\\)"
+    with pytest.raises(ValueError, match=odd):
+        launch_scaled_grouped_mm(up, p.b, None, p.scale_b, p.expert_ids, torch.float32, recipe=recipe,
                                  tiles=GroupedTiles(False, 16, 32, 64, 4, 2))
