@@ -80,11 +80,15 @@ def grouped_quantizes(x: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor, e
     ``quantized_rows`` quantized first)."""
     M, E, K, N = expert_ids.shape[0], b.shape[0], b.shape[1], b.shape[2]
     k_contig = statically_known_true(b.stride(1) == 1)
-    same_strides = gate is None or all(statically_known_true(g == s) for g, s in zip(gate.stride(), x.stride()))
-    if b.dtype not in (torch.int8, torch.float8_e4m3fn) or scale_b.dim() == 3 or not same_strides:
+    if b.dtype not in (torch.int8, torch.float8_e4m3fn) or scale_b.dim() == 3 or not gate_fits(gate, x):
         return None
     tiles = grouped_tiles(M, N, K, E, k_contig, True)
     return None if tiles.rows and not k_contig else tiles
+
+
+def gate_fits(gate: torch.Tensor | None, x: torch.Tensor) -> bool:
+    """No gate, or one of ``x``'s strides: the kernels read both by one set."""
+    return gate is None or all(statically_known_true(g == s) for g, s in zip(gate.stride(), x.stride()))
 
 
 def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe,
@@ -121,8 +125,7 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
     k_contig = not blocks and statically_known_true(b.stride(1) == 1)
     t = tiles or grouped_tiles(M, N, K, E, k_contig, recipe is not None)
     gate = None if recipe is None else recipe.gate
-    odd_gate = gate is not None and not all(statically_known_true(g == s) for g, s in zip(gate.stride(), a.stride()))
-    if recipe is not None and (blocks or odd_gate or (t.rows and not k_contig)):
+    if recipe is not None and (blocks or not gate_fits(gate, a) or (t.rows and not k_contig)):
         raise ValueError("launch_scaled_grouped_mm: a recipe (float rows quantized in the launch) needs scales per "
                          "channel or per expert, a gate of the rows' strides, and on the row kernel b contiguous "
                          f"along K (grouped_quantizes); got tiles {t}, b strides {tuple(b.stride())}, scale_b "
