@@ -10,7 +10,8 @@ or with ``--shape qwen3-8b`` a ``Qwen3ForCausalLM`` at Qwen3-8B's (36 layers, in
 12288, vocab 151936, q/k norms), or a mixture of experts at Qwen3-30B-A3B's (``qwen3-30b-a3b``:
 48 layers, 128 experts, top-8, expert width 768) or OLMoE-1B-7B's (``olmoe-1b-7b``), its bf16
 experts run by transformers' ``--experts-impl`` and its W8A8 ones (``moe-int8``, ``moe-fp8``) by
-``fusepass.quantize_experts``; ``--layers`` deep, lm_head in bf16. Variants (``VARIANTS``): bf16 under stock
+``fusepass.quantize_experts``, or as torchao's fp8 weights by transformers' own code
+(``moe-fp8-torchao``); ``--layers`` deep, lm_head in bf16. Variants (``VARIANTS``): bf16 under stock
 ``torch.compile``; torchao's W8A8 under stock ``torch.compile``; torchao's W8A8 through
 ``fusepass.prepare`` and ``backend="fusepass"``; the same without ``prepare``; the
 hand-written form (``demo/handwritten.py``) under fusepass; a compressed-tensors checkpoint
@@ -104,6 +105,9 @@ VARIANTS = {
     "moe-int8": ("int8", "experts", "fusepass", True),
     "moe-fp8": ("fp8", "experts", "fusepass", True),
     "moe-fp8-block": ("fp8-block", "experts", "fusepass", True),  # as a native FP8 MoE checkpoint: 128x128 blocks
+    # the same model in torchao's fp8 per row alone (experts' 3-D weights too), transformers' experts
+    # code under stock torch.compile: the PyTorch-native W8A8 MoE path
+    "moe-fp8-torchao": ("fp8", "torchao-experts", "inductor", False),
     # the FP8_DYNAMIC checkpoint written to disk and loaded by transformers with
     # use_optimized_inference=True (row-wise F.scaled_mm on GPUs with fp8; elsewhere transformers
     # falls back to ct-fp8's route); in a process of its own (ALONE)
@@ -509,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model's sizes: Llama-3-8B's, Qwen3-8B's (36 layers, intermediate 12288, q/k norms), or "
                          "a mixture of experts': Qwen3-30B-A3B's (48 layers, 128 experts, top-8, width 768; bf16 61 GB) "
                          "or OLMoE-1B-7B's (16 layers, 64 experts, top-8, width 1024); their W8A8 variants: moe-int8, "
-                         "moe-fp8")
+                         "moe-fp8, moe-fp8-block, and torchao's moe-fp8-torchao")
     ap.add_argument("--experts-impl", choices=["grouped_mm", "batched_mm", "eager"], default="grouped_mm",
                     help="a mixture of experts' bf16 experts in transformers (the quantized variants run fusepass's)")
     ap.add_argument("--layers", default=None, help="comma list of depths (default: the shape's full depth)")

@@ -376,15 +376,24 @@ IGNORE_MOE = ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"]
 _IGNORED = re.compile(r"(^lm_head$|\.gate$|norm|embed)")
 
 
+def _sharing_experts(model: nn.Module) -> nn.Module:
+    """A deep copy of a MoE ``model`` that shares its experts' float weights instead of copying
+    them (a full-size model's are most of its bytes): the copy's quantization replaces them there
+    and leaves the original's."""
+    from ..integrations.experts import is_experts
+
+    shared = {id(p): p for m in model.modules() if is_experts(m) for p in m.parameters(recurse=False)}
+    return copy.deepcopy(model, memo=dict(shared))
+
+
 def _experts_copy(model: nn.Module, quant: str) -> nn.Module:
     """A W8A8 copy of a MoE ``model``: its experts by ``fusepass.quantize_experts``, its other
     nn.Linears (attention; the routers are not nn.Linear) by torchao (``fp8-block``: as
-    transformers' native FP8 ``FP8Linear``s). The copy shares the experts'
-    float weights instead of copying them (a full-size model's are most of its bytes), then drops them."""
-    from ..integrations.experts import is_experts, quantize_experts
+    transformers' native FP8 ``FP8Linear``s). The experts' float weights are shared, then
+    dropped (``_sharing_experts``)."""
+    from ..integrations.experts import quantize_experts
 
-    shared = {id(p): p for m in model.modules() if is_experts(m) for p in m.parameters(recurse=False)}
-    qmodel = copy.deepcopy(model, memo=dict(shared))
+    qmodel = _sharing_experts(model)
     report = quantize_experts(qmodel, quant if quant in ("fp8", "fp8-block") else "int8")
     if report.left:
         raise ValueError(f"experts left as they are: {report}")
@@ -393,14 +402,39 @@ def _experts_copy(model: nn.Module, quant: str) -> nn.Module:
     return _torchao(qmodel, quant)
 
 
+def _torchao_experts_copy(model: nn.Module, quant: str) -> nn.Module:
+    """A copy of a MoE ``model`` in torchao's fp8 per row alone, the PyTorch-native path that
+    fusepass's MoE variants are held against: its experts' 3-D weights become torchao
+    ``Float8Tensor``s, which transformers' own experts code runs (its ``grouped_mm`` on them is
+    torchao's, on torch's ``scaled_grouped_mm``), and its other nn.Linears torchao's too. torchao
+    quantizes to fp8 on GPUs of compute capability 8.9 and above."""
+    if quant != "fp8":
+        raise ValueError(f"{quant}: torchao quantizes experts' 3-D weights in fp8 per row only")
+    from ..integrations.experts import is_experts
+
+    qmodel = _sharing_experts(model)
+    config = _torchao_config("fp8")
+    params = {f"{name}.{p}": config for name, m in qmodel.named_modules() if is_experts(m)
+              for p in ("gate_up_proj", "down_proj")}
+    if not params:
+        raise ValueError("torchao-experts: the model has no experts (transformers' 3-D gate_up_proj / down_proj)")
+    with quiet_imports():
+        from torchao.quantization import FqnToConfig, quantize_
+
+        quantize_(qmodel, FqnToConfig(params), filter_fn=None)
+    return _torchao(qmodel, quant)
+
+
 def quantized_copy(model: nn.Module, quant: str, quantizer: str) -> nn.Module:
     """A W8A8 copy of ``model``: every nn.Linear (lm_head included) quantized by torchao's
     config for ``quant`` (TORCHAO_CONFIGS), or by the hand-written QuantLinear; or, by
     compressed-tensors, every one but lm_head, as its checkpoint of ``CT_SCHEMES[quant]``
     loads; or (``experts``, a mixture of experts) its experts by ``fusepass.quantize_experts``
-    and its other linears by torchao."""
+    and its other linears by torchao; or (``torchao-experts``) all of them by torchao, fp8."""
     if quantizer == "experts":
         return _experts_copy(model, quant)
+    if quantizer == "torchao-experts":
+        return _torchao_experts_copy(model, quant)
     qmodel = copy.deepcopy(model)
     if quantizer == "handwritten":
         from .handwritten import quantize
@@ -420,22 +454,29 @@ def _torchao(qmodel: nn.Module, quant: str) -> nn.Module:
     """``qmodel``'s nn.Linears quantized in place by torchao's config for ``quant``."""
     if quant not in QUANTS:
         raise ValueError(f"{quant}: compressed-tensors only (torchao's: {', '.join(QUANTS)})")
+    config = _torchao_config(quant)
+    with quiet_imports():
+        from torchao.quantization import quantize_
+
+        quantize_(qmodel, config)  # (it imports more of torchao)
+    return qmodel
+
+
+def _torchao_config(quant: str):
+    """torchao's config for ``quant`` (``int8``, ``int8-asym``, ``fp8``: per row)."""
     with quiet_imports():
         from torchao.quantization import (
             Float8DynamicActivationFloat8WeightConfig,
             Int8DynamicActivationInt8WeightConfig,
             MappingType,
             PerRow,
-            quantize_,
         )
-        config = {
+        return {
             "int8": lambda: Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
             "int8-asym": lambda: Int8DynamicActivationInt8WeightConfig(
                 act_mapping_type=MappingType.ASYMMETRIC, set_inductor_config=False),
             "fp8": lambda: Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False),
         }[quant]()
-        quantize_(qmodel, config)  # (it imports more of torchao)
-    return qmodel
 
 
 def describe(model: nn.Module) -> str:

@@ -430,3 +430,36 @@ def test_a_mixture_of_experts_in_native_fp8s_blocks():
     with torch.no_grad():
         ref, out = base(ids).logits.float(), model(ids).logits.float()
     assert 0 < (out - ref).norm() < 0.5 * ref.norm()
+
+
+def test_a_mixture_of_experts_in_torchaos_fp8(monkeypatch):
+    """moe-fp8-torchao: the experts' 3-D weights and attention's linears as torchao Float8Tensors
+    per row (transformers' experts code runs them), the base's experts untouched. torchao refuses
+    to quantize to fp8 without a GPU of compute capability 8.9; its check is bypassed here, in
+    the test only, to see the conversion (the forward needs torch's scaled_grouped_mm: a GPU)."""
+    import torch
+    import torchao.quantization.quant_api as quant_api
+    from torchao.quantization import Float8Tensor
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    sizes = models.Sizes(1, 128, 256, 4, 2, 256, "qwen3_moe", 8, 2, 64)
+    base = models.random_llama(sizes, 32, torch.device("cpu"), 0, "grouped_mm")
+    model = bench.build("moe-fp8-torchao", base, log=lambda _: None)
+    experts, base_experts = model.model.layers[0].mlp.experts, base.model.layers[0].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        w, want = getattr(experts, name), getattr(base_experts, name)
+        assert isinstance(w, Float8Tensor) and w.qdata.dtype == torch.float8_e4m3fn and w.shape == want.shape
+        assert w.scale.shape == (*want.shape[:2], 1)  # (per output row of each expert)
+        assert want.dtype == torch.bfloat16 and not isinstance(want, Float8Tensor)  # (the base's own, untouched)
+        err = (w.dequantize().float() - want.float()).norm() / want.float().norm()
+        assert 0 < err < 0.05
+    assert isinstance(model.model.layers[0].self_attn.q_proj.weight, Float8Tensor)
+    assert model.lm_head.weight.dtype == torch.bfloat16 and bench.VARIANTS["moe-fp8-torchao"][2] == "inductor"
+    ids = models.prompt(base, 1, 8, seed=0)
+    if not torch.cuda.is_available():  # (the experts reach torch's fp8 grouped GEMM: no CPU kernel)
+        with pytest.raises(NotImplementedError, match="_scaled_grouped_mm"), torch.no_grad():
+            model(ids)
+        return
+    with torch.no_grad():
+        ref, out = base.cuda()(ids.cuda()).logits.float(), model.cuda()(ids.cuda()).logits.float()
+    assert 0 < (out - ref).norm() < 0.5 * ref.norm()
