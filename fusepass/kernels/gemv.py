@@ -31,14 +31,18 @@ from .scaled_mm import add_bias, apply_scale_b, epilogue
 @triton.jit
 def _rounded(x, dtype: tl.constexpr):
     """The fp32 ``x`` rounded to ``dtype`` (bf16, fp16 or fp32) to nearest even, held in fp32.
-    bf16 by its bits: Triton's interpreter truncates an fp32 -> bf16 cast (measured, Triton
-    3.9), and the tests compare this rounding exactly against eager's. (A NaN is kept apart:
-    the GPU's 0x7FFFFFFF would round to -0.0.)"""
-    if dtype == tl.bfloat16:
+    On a GPU by its cast, one instruction. Under Triton's interpreter bf16 by its bits: the
+    interpreter truncates an fp32 -> bf16 cast (measured, Triton 3.9), and the tests compare this
+    rounding exactly against eager's. (A NaN is kept apart: 0x7FFFFFFF would round to -0.0.)"""
+    if dtype == tl.bfloat16 and INTERPRETED:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
         return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     return x.to(dtype).to(tl.float32)
+
+
+# Under TRITON_INTERPRET=1 the kernels run as Python on the data (launch.INTERPRETED alike)
+INTERPRETED: tl.constexpr = tl.constexpr(type(_rounded).__name__ == "InterpretedFunction")
 
 
 @triton.jit
@@ -78,17 +82,24 @@ def row_scale(
     a NaN or an infinity, so every output is NaN, as eager's are for fp8 (torch's ``amax`` keeps
     a NaN, an infinite scale makes ``inf / inf``; a GPU's max drops NaN, and ``tl.clamp`` too)."""
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    nans = tl.zeros((BLOCK_K,), dtype=tl.int32)
+    nans = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for kb in range(tl.cdiv(K, BLOCK_K)):
         offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)  # (BLOCK_K,)
         xf = _row_block(a_ptr, g_ptr, offs_k, K, stride_ak, EVEN_K, GATED).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(xf))
-        nans += ((xf != xf) | (tl.abs(xf) == float("inf"))).to(tl.int32)
+        nans += xf * 0.0  # (NaN where xf is a NaN or an infinity, else 0: two instructions)
+    return scale_of(tl.max(amax, axis=0), tl.sum(nans, axis=0), DIVISOR, FLOOR, FLOOR_FIRST)
+
+
+@triton.jit
+def scale_of(amax, nans, DIVISOR: tl.constexpr, FLOOR: tl.constexpr, FLOOR_FIRST: tl.constexpr):
+    """``row_scale``'s recipe from a row's amax and the sum of its values times 0, NaN where it
+    holds a NaN or an infinity (scalars, or a block of rows' alike)."""
     if FLOOR_FIRST:
-        scale = tl.div_rn(tl.maximum(tl.max(amax, axis=0), FLOOR), DIVISOR)
+        scale = tl.div_rn(tl.maximum(amax, FLOOR), DIVISOR)
     else:
-        scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), DIVISOR), FLOOR)
-    return tl.where(tl.sum(nans, axis=0) > 0, float("nan"), scale)
+        scale = tl.maximum(tl.div_rn(amax, DIVISOR), FLOOR)
+    return tl.where(nans != nans, float("nan"), scale)
 
 
 @triton.jit

@@ -28,8 +28,15 @@ ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
 # 256 (docs/PERFORMANCE.md, "Mixture of experts": "The route"), and a default-mode step is bound
 # by its launches.
 ROUTE_ONE_PROGRAM_MAX_M = 128
-# quantized_rows' widest block: a row of up to this many elements in one read
+# Above, at most this many programs, each placing a span of whole chunks: each program reads every
+# program's counts, and at 16384 rows 128 programs of 128 rows took 11.3 us against 13.5 for 256 of
+# 64 (docs/PERFORMANCE.md, "Mixture of experts": "The route").
+ROUTE_MAX_PROGRAMS = 128
+# quantized_rows: rows of up to QUANTIZE_BLOCK_K elements read once, held in registers as pieces
+# of up to QUANTIZE_PIECE, QUANTIZE_SLOTS pieces a program at least
 QUANTIZE_BLOCK_K = 4096
+QUANTIZE_PIECE = 256
+QUANTIZE_SLOTS = 16
 
 
 def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,7 +45,8 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
     fixed length (M plus a block's padding an expert, rounded to blocks); and each block's expert:
     that expert, E for the rows whose id is outside [0, E) (stored as NaN), E + 1 for the unused
     blocks at the end. int32. One launch of ``route_kernel`` up to ROUTE_ONE_PROGRAM_MAX_M rows;
-    above, ``route_count_kernel``'s then ``route_kernel``'s, a program a chunk of rows."""
+    above, ``route_count_kernel``'s then ``route_kernel``'s, a program a span of chunks of rows (a
+    chunk each up to ROUTE_MAX_PROGRAMS chunks)."""
     M, device = expert_ids.shape[0], expert_ids.device
     blocks = (M + (E + 1) * (rows_a_block - 1) + rows_a_block - 1) // rows_a_block
     rows = torch.empty((blocks * rows_a_block,), dtype=torch.int32, device=device)
@@ -50,10 +58,12 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
         launcher(route_kernel, fake)[(1,)](expert_ids, None, rows, block_experts, M, E, blocks, M, 1,
                                            BLOCK_M=rows_a_block, COUNTED=False, **sizes, **searched)
         return rows, block_experts
-    programs = (M + ROUTE_CHUNK - 1) // ROUTE_CHUNK
+    chunks = (M + ROUTE_CHUNK - 1) // ROUTE_CHUNK
+    span = ROUTE_CHUNK * ((chunks + ROUTE_MAX_PROGRAMS - 1) // ROUTE_MAX_PROGRAMS)  # (rows a program places)
+    programs = (M + span - 1) // span
     counts = torch.empty((programs, groups), dtype=torch.int32, device=device)
-    launcher(route_count_kernel, fake)[(programs,)](expert_ids, counts, M, E, ROUTE_CHUNK, **sizes)
-    launcher(route_kernel, fake)[(programs,)](expert_ids, counts, rows, block_experts, M, E, blocks, ROUTE_CHUNK,
+    launcher(route_count_kernel, fake)[(programs,)](expert_ids, counts, M, E, span, **sizes)
+    launcher(route_kernel, fake)[(programs,)](expert_ids, counts, rows, block_experts, M, E, blocks, span,
                                               programs, BLOCK_M=rows_a_block, COUNTED=True, **sizes, **searched)
     return rows, block_experts
 
@@ -91,18 +101,29 @@ def gate_fits(gate: torch.Tensor | None, x: torch.Tensor) -> bool:
     return gate is None or all(statically_known_true(g == s) for g, s in zip(gate.stride(), x.stride()))
 
 
-def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe,
-                   fake: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, fake: bool, piece: int = QUANTIZE_PIECE,
+                   slots: int = QUANTIZE_SLOTS, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [M, K] of ``dtype``, scale [M] fp32): ``x``'s rows (given ``recipe.gate``, of
-    ``silu(gate) * x``) quantized by ``recipe``, a program a row (``quantize.quantize_rows_kernel``)."""
+    ``silu(gate) * x``) quantized by ``recipe`` (``quantize.quantize_rows_kernel``). A row of up
+    to QUANTIZE_BLOCK_K is read once, as pieces of the largest power of two that divides K up to
+    ``piece`` (a ragged K: one piece), as many rows a program as ``slots`` pieces hold; a longer
+    row a program, read twice. (``piece``, ``slots``, ``num_warps``: ``scratch`` probes and tests
+    override them.)"""
     M, K = x.shape
     q = torch.empty((M, K), dtype=dtype, device=x.device)
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
-    block_k = min(triton.next_power_of_2(max(int(K), 16)), QUANTIZE_BLOCK_K)
-    launcher(quantize_rows_kernel, fake)[(M,)](
-        x, recipe.gate, q, scale, K, x.stride(0), x.stride(1), DIVISOR=float(recipe.divisor),
+    K = int(K)
+    if K <= QUANTIZE_BLOCK_K:
+        block_k = min(K & -K, piece) if K % 32 == 0 else triton.next_power_of_2(max(K, 16))
+        pieces = (K + block_k - 1) // block_k
+        slots = max(slots, triton.next_power_of_2(pieces))
+        rows = slots // pieces
+    else:
+        block_k, pieces, rows = QUANTIZE_BLOCK_K, 0, 1
+    launcher(quantize_rows_kernel, fake)[((M + rows - 1) // rows,)](
+        x, recipe.gate, q, scale, M, K, x.stride(0), x.stride(1), DIVISOR=float(recipe.divisor),
         FLOOR=float(recipe.floor), FLOOR_FIRST=floors_first(dtype, recipe.floor_first), GATED=recipe.gate is not None,
-        BLOCK_K=block_k, EVEN_K=statically_known_true(K % block_k == 0), num_warps=4 if block_k <= 1024 else 8)
+        ROWS=rows, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PIECES=pieces, SLOTS=slots, num_warps=num_warps)
     return q, scale
 
 

@@ -22,7 +22,7 @@ Why an op of its own: at decode (the grouped row kernel's rows, ``policy.grouped
 GATED, in ``grouped_gemv_kernel``), so neither a SiLU-mul nor a quantization kernel runs
 between a MoE layer's gate/up and down GEMMs: one launch a layer fewer. Above the row kernel's
 rows (``policy.GROUPED_ROWS_MAX_M`` routed rows: b16, prefill), one kernel of its own quantizes
-the rows first, a program a row with the same numbers (``kernels/quantize.py``), and the sorted
+the rows first with the same numbers (``kernels/quantize.py``), and the sorted
 blocks take them. Elsewhere (a ``b`` not contiguous along K at the row kernel's rows, a gate of
 other strides than ``x``'s, the CPU) it computes the rows with the ATen ops above and runs
 ``scaled_grouped_mm``.

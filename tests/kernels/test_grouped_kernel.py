@@ -8,6 +8,7 @@ block layout."""
 import pytest
 import torch
 
+from fusepass.kernels import grouped_launch
 from fusepass.kernels.grouped_launch import launch_scaled_grouped_mm, route
 from fusepass.kernels.policy import GROUPED_ROWS_MAX_M, GroupedTiles
 from fusepass.ops import reference
@@ -79,6 +80,18 @@ def test_route_kernel_is_the_stable_sort(M, E, rows_a_block):
     rows, experts = route(ids.to(DEVICE), E, rows_a_block)
     want_rows, want_experts = route_reference(ids, E, rows_a_block)
     assert rows.dtype == experts.dtype == torch.int32
+    assert rows.cpu().tolist() == want_rows.tolist() and experts.cpu().tolist() == want_experts.tolist()
+
+
+@pytest.mark.parametrize("max_programs,M", [(2, 300), (3, 300), (3, 129), (None, 9000)])
+def test_route_spans_several_chunks_a_program_above_its_programs(monkeypatch, max_programs, M):
+    """Above ROUTE_MAX_PROGRAMS chunks each program places a span of whole chunks (the last one
+    ragged); 9000 rows at the default: 141 chunks, 71 programs of two."""
+    if max_programs is not None:
+        monkeypatch.setattr(grouped_launch, "ROUTE_MAX_PROGRAMS", max_programs)
+    ids = torch.randint(-1, 9, (M,), generator=torch.Generator().manual_seed(M))
+    rows, experts = route(ids.to(DEVICE), 8, 16)
+    want_rows, want_experts = route_reference(ids, 8, 16)
     assert rows.cpu().tolist() == want_rows.tolist() and experts.cpu().tolist() == want_experts.tolist()
 
 

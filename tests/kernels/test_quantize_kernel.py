@@ -1,7 +1,8 @@
 """``quantize_rows_kernel`` (``kernels/quantize.py``, launched by ``grouped_launch.quantized_rows``):
 float rows (given a gate, ``silu(gate) * x``) quantized per row by ``ops.dynamic.quantize_rows``'
-recipes. In Triton's interpreter bit for bit against the ATen ops (the SiLU-mul as eager rounds
-it); on a GPU the scales alike and the values within one step of the grid (Triton's ``exp``)."""
+recipes. Bit for bit against the ATen ops on the CPU (correctly rounded divisions: a GPU's
+``tensor / scalar`` multiplies by the reciprocal), the SiLU-mul as eager rounds it; on a GPU
+the gated rows within one step of the grid (Triton's ``exp``)."""
 
 import pytest
 import torch
@@ -20,26 +21,43 @@ def _rows(M, K, dtype=BF16, seed=0):
     return [(torch.randn(M, K, generator=g) * 3).to(dtype).to(DEVICE) for _ in range(2)]
 
 
-def _check(x, gate, dtype, divisor, floor=SCALE_EPS, floor_first=None):
-    q, s = quantized_rows(x, dtype, Recipe(divisor, floor, floor_first, gate), fake=False)
+def _check(x, gate, dtype, divisor, floor=SCALE_EPS, floor_first=None, **launch):
+    q, s = quantized_rows(x, dtype, Recipe(divisor, floor, floor_first, gate), fake=False, **launch)
     row = x if gate is None else torch.nn.functional.silu(gate) * x
-    want_q, want_s = quantize_rows(row, dtype, divisor, floor, floor_first)
+    want_q, want_s = quantize_rows(row.cpu(), dtype, divisor, floor, floor_first)
     assert q.dtype == dtype and q.shape == x.shape and q.is_contiguous() and s.shape == (x.shape[0],)
+    q, s, want_s = q.cpu(), s.cpu(), want_s.flatten()
+    finite = want_s.isfinite()  # (a row holding a NaN: its scale NaN, its values undefined)
+    assert torch.equal(s.isnan(), want_s.isnan())
+    q, want_q, s, want_s = q[finite].float(), want_q[finite].float(), s[finite], want_s[finite]
     if DEVICE == "cpu" or gate is None:
-        assert torch.equal(s, want_s.flatten()) and torch.equal(q.float(), want_q.float())
+        assert torch.equal(s, want_s) and torch.equal(q, want_q)
     else:  # (a gated value may round to a neighbour: one step of the grid, and the amax with it)
-        torch.testing.assert_close(s, want_s.flatten(), rtol=1e-2, atol=0)
-        step = 1.0 if dtype == I8 else 32.0
-        assert ((q.float() - want_q.float()).abs() <= step).all()
+        torch.testing.assert_close(s, want_s, rtol=1e-2, atol=0)
+        assert ((q - want_q).abs() <= (1.0 if dtype == I8 else 32.0)).all()
 
 
 @pytest.mark.parametrize("dtype,divisor", [(I8, 127.5), (I8, 127.0), (F8, 448.0)], ids=["int8", "int8-127", "fp8"])
 @pytest.mark.parametrize("gated", [False, True], ids=["rows", "gated"])
 @pytest.mark.parametrize("M,K", [(40, 768), (3, 1), (5, 100), (2, grouped_launch.QUANTIZE_BLOCK_K + 40)])
 def test_rows_are_quantize_rows_of_the_rows(dtype, divisor, gated, M, K):
-    """K of one block, a ragged one, one element, and more than a block (two reads of the row)."""
+    """K of one block, a ragged one, one element, and more than a block (two reads of the row);
+    M a whole number of programs' rows and not."""
     x, gate = _rows(M, K, seed=M + K)
     _check(x, gate if gated else None, dtype, divisor)
+
+
+@pytest.mark.parametrize("K", [768, 96, 100])
+@pytest.mark.parametrize("piece,slots,warps", [(256, 4, 4), (256, 16, 8), (32, 4, 2), (64, 32, 4)])
+def test_rows_as_pieces_in_slots(K, piece, slots, warps):
+    """A row in pieces (768: 3 of 256, or 12 of 64, or 24 of 32; 96: 3 of 32; 100, ragged: one
+    masked piece), a row a program or several, slots left unused; 13 rows, the last program's
+    ragged."""
+    x, gate = _rows(13, K, seed=K + slots)
+    x[4, 7] = float("nan")
+    for dtype, divisor in ((I8, 127.5), (F8, 448.0)):
+        _check(x, None, dtype, divisor, piece=piece, slots=slots, num_warps=warps)
+        _check(x, gate, dtype, divisor, piece=piece, slots=slots, num_warps=warps)
 
 
 @pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
