@@ -473,10 +473,15 @@ def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls,
         warnings.simplefilter("ignore")
         base = models.random_llama(sizes, max(cache_len, prefill), device, 0, experts_impl)
         ids = models.prompt(base, 64, prefill, 0)
-        built = {}
+        built, unbuilt = {}, {}
         for variant in variants:
             t = time.perf_counter()
-            built[variant] = build(variant, base, log)
+            try:
+                built[variant] = build(variant, base, log)
+            except Exception as e:  # noqa: BLE001  (its rows say why; the other variants still run)
+                unbuilt[variant] = _error(e)
+                log(f"[{sizes.layers} layers] {variant}: not built: {unbuilt[variant]}")
+                continue
             log(f"[{sizes.layers} layers] {variant}: built in {time.perf_counter() - t:.1f} s")
         rows = []
         for mode in modes:
@@ -487,6 +492,8 @@ def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls,
                 groups = [built] if _fit_together(built, step, cache_len) else [{v: m} for v, m in built.items()]
                 group = [{**meta, "layers": sizes.layers, **row}
                          for subset in groups for row in cells(subset, mode, step, ids, cache_len, calls, profiles, guard_filter)]
+                group += [{**meta, "layers": sizes.layers, "variant": v, "mode": mode, "step": step, "error": error}
+                          for v, error in unbuilt.items()]
                 for row in group:
                     log(f"[{sizes.layers} layers] {row['variant']} {mode} {step}: {_line(row)}")
                 if out:

@@ -130,6 +130,24 @@ def test_a_failing_cell_is_a_row_with_its_error(monkeypatch):
     assert "fails: RuntimeError: no such step" in bench.report(rows)
 
 
+def test_a_variant_that_cannot_be_built_is_rows_with_its_error_and_the_others_run(monkeypatch):
+    build = bench.build
+
+    def fails_int8(variant, base, log):
+        if variant == "int8":
+            raise RuntimeError("no kernel here\nmore")
+        return build(variant, base, log)
+
+    monkeypatch.setattr(bench, "build", fails_int8)
+    said = []
+    rows = bench.run([1], ["int8", "bf16"], ["default"], ["b1", "b16"], prefill=8, cache_len=32, calls=2, out=None,
+                     sizes=SMALL, log=said.append)
+    by = {(r["variant"], r["step"]): r for r in rows}
+    assert by[("int8", "b1")]["error"] == by[("int8", "b16")]["error"] == "RuntimeError: no kernel here"
+    assert "step_ms" in by[("bf16", "b1")] and "step_ms" in by[("bf16", "b16")]
+    assert "[1 layers] int8: not built: RuntimeError: no kernel here" in said
+
+
 def test_variants_are_timed_in_alternating_rounds(monkeypatch):
     """A drift of the machine's speed falls on every variant alike."""
     seen = []
