@@ -3,11 +3,14 @@ and per-channel scales, bf16 out) at a MoE model's experts, against bf16 ``torch
 (the GEMM of transformers' ``grouped_mm`` experts), at decode (8 rows: batch 1, top-8), batch
 16 and prefill row counts; at the row kernel's row counts also down as ``W8A8Experts`` runs it
 there (``fusepass int8 gated``: bf16 gate and up rows, their SiLU-mul quantized in the launch,
-``scaled_grouped_mm_dynamic``'s); and, with ``--sweep``, the op's launch at each of a list of
-tiles.
+``scaled_grouped_mm_dynamic``'s); with ``--sweep``, the op's launch at each of a list of tiles;
+with ``--quantize``, ``quantize_rows_kernel`` alone on down's gated rows (``quantized_rows``:
+the SiLU-mul of a [M, 2I] output's halves quantized per row to int8; TB/s of the bytes it moves),
+with ``--sweep`` at each of QUANTIZE_SWEEP's (piece, slots, warps) too.
 
     python benchmarks/bench_grouped.py                                   # both shapes, every M
     python benchmarks/bench_grouped.py --shapes qwen3-30b-a3b --ms 8 --sweep
+    python benchmarks/bench_grouped.py --shapes qwen3-30b-a3b --ms 16384 --quantize --sweep
     TRITON_INTERPRET=1 python benchmarks/bench_grouped.py --smoke         # CPU: one tiny shape
 
 Protocol (BENCHMARKS.md, with bench_linear.py's helpers): each implementation is captured in a
@@ -43,8 +46,10 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_linear as bl  # noqa: E402  (puts the repo root on sys.path and imports fusepass)
 
-from fusepass.kernels.grouped_launch import Recipe, launch_scaled_grouped_mm  # noqa: E402
+from fusepass.integrations.linear import SCALE_EPS  # noqa: E402
+from fusepass.kernels.grouped_launch import Recipe, launch_scaled_grouped_mm, quantized_rows  # noqa: E402
 from fusepass.kernels.policy import GROUPED_ROWS_MAX_M, GroupedTiles, grouped_tiles  # noqa: E402
+from fusepass.ops.dynamic import quantize_rows  # noqa: E402
 
 BF16 = torch.bfloat16
 # (experts, hidden, expert width, top-k)
@@ -61,6 +66,10 @@ SWEEP = [GroupedTiles(True, 1, n, k, w, 3) for n in (4, 8, 16, 32) for k in (256
     GroupedTiles(False, *t) for t in ((16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (16, 128, 256, 8, 3),
                                       (32, 128, 128, 4, 4), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3),
                                       (128, 256, 128, 8, 3))]
+
+QUANTIZED = "quantize_rows"  # --quantize: quantize_rows_kernel alone, at the launch's defaults
+# --quantize --sweep: (piece, slots, warps) of quantized_rows
+QUANTIZE_SWEEP = [(p, s, w) for p in (256, 128, 64) for s in (4, 8, 16, 32) for w in (2, 4, 8)]
 
 
 def projections(shape: str) -> dict:
@@ -191,6 +200,38 @@ def bench_point(proj: str, E, K, N, k, M, device, l2_bytes: int, smoke: bool, sw
     return rows
 
 
+def bench_quantize(E, I, M, device, smoke: bool, sweep: bool, log) -> list[dict]:
+    """Rows of ``quantized_rows`` alone on M gated rows of the expert width I (down's rows: the
+    SiLU-mul of the halves of a [M, 2I] bf16 output), to int8: us a call and TB/s of the bytes
+    read and written; each output checked against ``quantize_rows`` (scales within 1%, values
+    within one step: Triton's exp)."""
+    g = torch.Generator(device=device).manual_seed(M + I)
+    gate, up = (torch.randn((M, 2 * I), device=device, generator=g) * 3).to(BF16).chunk(2, dim=-1)
+    recipe = Recipe(127.5, SCALE_EPS, None, gate)
+    want_q, want_s = quantize_rows((torch.nn.functional.silu(gate) * up).cpu(), torch.int8, 127.5, SCALE_EPS)
+    launches = {QUANTIZED: {}}
+    if sweep:
+        launches.update({f"{QUANTIZED} at {p}x{s} w{w}": dict(piece=p, slots=s, num_warps=w)
+                         for p, s, w in (QUANTIZE_SWEEP[:2] if smoke else QUANTIZE_SWEEP)})
+    calls, graphs = {}, {}
+    for name, kw in launches.items():
+        def call(kw=kw):
+            return quantized_rows(up, torch.int8, recipe, False, **kw)
+        q, scale = call()
+        if not (torch.allclose(scale.cpu(), want_s.flatten(), rtol=1e-2)
+                and ((q.cpu().float() - want_q.float()).abs() <= 1).all()):
+            log(f"  {name} at M={M}, I={I} failed: its output is off quantize_rows'")
+            continue
+        calls[name] = call
+        if not smoke:
+            graphs[name] = bl.Graph(lambda i, call=call: call, 1)
+    us = bl.interleaved_us(graphs, log) if graphs else {n: _wall_us(c) for n, c in calls.items()}
+    moved = M * I * 2 * 2 + M * I + M * 4  # (gate and up read, int8 rows and fp32 scales written)
+    return [{"proj": "quantize", "E": E, "K": I, "N": I, "M": M, "impl": name, "us": round(us[name], 2),
+             "TBps": round(moved / us[name] / 1e6, 3), "rel_err": None, "tiles": None}
+            for name in calls if us.get(name) is not None]
+
+
 def print_table(rows: list[dict], log) -> None:
     log("| proj | E | K | N | M | implementation | us | TB/s |")
     log("|---|---|---|---|---|---|---|---|")
@@ -199,21 +240,22 @@ def print_table(rows: list[dict], log) -> None:
 
 
 def summarize(rows: list[dict]) -> list[str]:
-    """Per (projection, M): fusepass int8 / fp8 against bf16 torch._grouped_mm, and the fastest tiles swept."""
+    """Per (projection, M): fusepass int8 / fp8 against bf16 torch._grouped_mm, and the fastest tiles swept
+    (``--quantize``: quantize_rows alone, and its fastest pieces swept)."""
     lines = []
     points = dict.fromkeys((r["proj"], r["M"]) for r in rows)
     for proj, M in points:
         at = {r["impl"]: r for r in rows if (r["proj"], r["M"]) == (proj, M)}
         bf16 = at.get("bf16 torch._grouped_mm")
         parts = []
-        for name in ("fusepass int8", "fusepass fp8", GATED):
+        for name in ("fusepass int8", "fusepass fp8", GATED, QUANTIZED):
             if name in at:
                 vs = f", {bf16['us'] / at[name]['us']:.2f}x bf16" if bf16 else ""
                 parts.append(f"{name.removeprefix('fusepass ')} {at[name]['us']:.1f} us ({at[name]['TBps']:.2f} TB/s{vs})")
-        for prefix, what in ((SWEPT, "tiles"), (SWEPT_GATED, "gated tiles")):
+        for prefix, what in ((SWEPT, "tiles"), (SWEPT_GATED, "gated tiles"), (QUANTIZED + " at ", "pieces")):
             swept = sorted((r for n, r in at.items() if n.startswith(prefix)), key=lambda r: r["us"])
             if swept:
-                parts.append(f"fastest {what} {swept[0]['tiles']} {swept[0]['us']:.1f} us")
+                parts.append(f"fastest {what} {swept[0]['impl'].removeprefix(prefix)} {swept[0]['us']:.1f} us")
         lines.append(f"{proj}, M={M}: " + "; ".join(parts))
     return lines
 
@@ -223,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of: " + ", ".join(SHAPES))
     p.add_argument("--ms", default=",".join(map(str, MS)), help="comma list of rows (tokens x top-k)")
     p.add_argument("--sweep", action="store_true", help="also time the int8 launch at each tile of SWEEP")
+    p.add_argument("--quantize", action="store_true",
+                   help="also time quantize_rows_kernel alone on down's gated rows (with --sweep: QUANTIZE_SWEEP)")
     p.add_argument("--out", default=None, help="result folder (default benchmarks/results; --smoke: none)")
     p.add_argument("--smoke", action="store_true", help="one tiny shape, wall-clock timing, any device")
     args = p.parse_args(argv)
@@ -246,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
                 point = bench_point(proj, E, K, N, k, M, device, l2, args.smoke, args.sweep, log)
                 rows += [{"shape": shape, **r} for r in point]
                 log(f"{shape} {proj} M={M} ({time.perf_counter() - t0:.1f} s)")
+        if args.quantize:
+            E, K, _, _ = projections(shape)["down"]
+            for M in ms:
+                rows += [{"shape": shape, **r} for r in bench_quantize(E, K, M, device, args.smoke, args.sweep, log)]
     print_table(rows, log)
     log("\n".join(summarize(rows)))
     out = args.out or (None if args.smoke else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

@@ -4,6 +4,7 @@ output checked against its float reference; the tiles each row ran), and its sum
 import json
 
 import pytest
+import torch
 
 from fusepass.kernels.policy import GROUPED_ROWS_MAX_M, grouped_tiles
 from tests.support.bench_scripts import load
@@ -29,6 +30,23 @@ def test_smoke_run_checks_every_output_and_names_its_tiles(bench, tmp_path, caps
     assert "| gate_up | 8 | 96 | 80 | 2 | fusepass int8 |" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("I", [40, 96])  # (a ragged row in one piece; 3 pieces of 32)
+def test_quantize_times_the_rows_kernel_alone_at_its_defaults_and_swept(bench, I):
+    rows = bench.bench_quantize(8, I, 5, "cpu", True, True, log=print)
+    p, s, w = bench.QUANTIZE_SWEEP[0]
+    assert [(r["proj"], r["M"], r["K"], r["impl"]) for r in rows][:2] == [
+        ("quantize", 5, I, bench.QUANTIZED), ("quantize", 5, I, f"{bench.QUANTIZED} at {p}x{s} w{w}")]
+    assert all(r["us"] > 0 for r in rows)
+
+
+def test_quantize_leaves_out_a_launch_whose_output_is_off_and_says_so(bench, monkeypatch):
+    monkeypatch.setattr(bench, "quantized_rows", lambda x, dtype, recipe, fake, **kw: (
+        torch.zeros(x.shape, dtype=dtype), torch.ones(x.shape[0])))
+    said = []
+    assert bench.bench_quantize(8, 40, 5, "cpu", True, False, log=said.append) == []
+    assert said == ["  quantize_rows at M=5, I=40 failed: its output is off quantize_rows'"]
+
+
 def test_a_wrong_output_is_an_error(bench):
     with pytest.raises(AssertionError, match="relative error 1 "):
         bench.check(lambda: __import__("torch").zeros(2, 2), lambda: __import__("torch").ones(2, 2))
@@ -43,6 +61,11 @@ def test_summary_against_bf16_and_the_fastest_tiles(bench):
             {**base, "impl": bench.GATED, "us": 8.0, "TBps": 1.6, "tiles": "rows 32x256 w2"},
             {**base, "impl": bench.SWEPT_GATED + "rows 8x256 w4", "us": 10.0, "TBps": 1.3, "tiles": "rows 8x256 w4"},
             {**base, "impl": bench.SWEPT_GATED + "rows 32x256 w2", "us": 7.0, "TBps": 1.8, "tiles": "rows 32x256 w2"}]
+    quantize = {**base, "proj": "quantize", "K": 768, "N": 768, "M": 16384, "tiles": None}
+    rows += [{**quantize, "impl": bench.QUANTIZED, "us": 30.0, "TBps": 2.1},
+             {**quantize, "impl": bench.QUANTIZED + " at 256x16 w4", "us": 26.5, "TBps": 2.4},
+             {**quantize, "impl": bench.QUANTIZED + " at 64x4 w8", "us": 55.0, "TBps": 1.1}]
     assert bench.summarize(rows) == [
         "down, M=8: int8 5.0 us (2.50 TB/s, 4.00x bf16); int8 gated 8.0 us (1.60 TB/s, 2.50x bf16); fastest tiles "
-        "rows 16x256 w2 4.0 us; fastest gated tiles rows 32x256 w2 7.0 us"]
+        "rows 16x256 w2 4.0 us; fastest gated tiles rows 32x256 w2 7.0 us",
+        "quantize, M=16384: quantize_rows 30.0 us (2.10 TB/s); fastest pieces 256x16 w4 26.5 us"]
