@@ -200,23 +200,29 @@ def bench_point(proj: str, E, K, N, k, M, device, l2_bytes: int, smoke: bool, sw
     return rows
 
 
-def bench_quantize(E, I, M, device, smoke: bool, sweep: bool, log) -> list[dict]:
+def bench_quantize(E, I, M, device, l2_bytes: int, smoke: bool, sweep: bool, log) -> list[dict]:
     """Rows of ``quantized_rows`` alone on M gated rows of the expert width I (down's rows: the
     SiLU-mul of the halves of a [M, 2I] bf16 output), to int8: us a call and TB/s of the bytes
-    read and written; each output checked against ``quantize_rows`` (scales within 1%, values
-    within one step: Triton's exp)."""
+    read and written, as many copies of the rows a graph as pass 3x L2 (as ``bench_point``'s);
+    each output checked against ``quantize_rows`` (scales within 1%, values within one step:
+    Triton's exp)."""
+    moved = M * I * 2 * 2 + M * I + M * 4  # (gate and up read, int8 rows and fp32 scales written)
+    copies = 1 if smoke else max(1, min(64, math.ceil(3 * l2_bytes / moved)))
     g = torch.Generator(device=device).manual_seed(M + I)
-    gate, up = (torch.randn((M, 2 * I), device=device, generator=g) * 3).to(BF16).chunk(2, dim=-1)
-    recipe = Recipe(127.5, SCALE_EPS, None, gate)
-    want_q, want_s = quantize_rows((torch.nn.functional.silu(gate) * up).cpu(), torch.int8, 127.5, SCALE_EPS)
+    inputs = []
+    for _ in range(copies):
+        gate, up = (torch.randn((M, 2 * I), device=device, generator=g) * 3).to(BF16).chunk(2, dim=-1)
+        inputs.append((up, Recipe(127.5, SCALE_EPS, None, gate)))
+    up, recipe = inputs[0]
+    want_q, want_s = quantize_rows((torch.nn.functional.silu(recipe.gate) * up).cpu(), torch.int8, 127.5, SCALE_EPS)
     launches = {QUANTIZED: {}}
     if sweep:
         launches.update({f"{QUANTIZED} at {p}x{s} w{w}": dict(piece=p, slots=s, num_warps=w)
                          for p, s, w in (QUANTIZE_SWEEP[:2] if smoke else QUANTIZE_SWEEP)})
     calls, graphs = {}, {}
     for name, kw in launches.items():
-        def call(kw=kw):
-            return quantized_rows(up, torch.int8, recipe, False, **kw)
+        def call(i=0, kw=kw):
+            return quantized_rows(inputs[i][0], torch.int8, inputs[i][1], False, **kw)
         q, scale = call()
         if not (torch.allclose(scale.cpu(), want_s.flatten(), rtol=1e-2)
                 and ((q.cpu().float() - want_q.float()).abs() <= 1).all()):
@@ -224,9 +230,8 @@ def bench_quantize(E, I, M, device, smoke: bool, sweep: bool, log) -> list[dict]
             continue
         calls[name] = call
         if not smoke:
-            graphs[name] = bl.Graph(lambda i, call=call: call, 1)
+            graphs[name] = bl.Graph(lambda i, call=call: (lambda: call(i)), copies)
     us = bl.interleaved_us(graphs, log) if graphs else {n: _wall_us(c) for n, c in calls.items()}
-    moved = M * I * 2 * 2 + M * I + M * 4  # (gate and up read, int8 rows and fp32 scales written)
     return [{"proj": "quantize", "E": E, "K": I, "N": I, "M": M, "impl": name, "us": round(us[name], 2),
              "TBps": round(moved / us[name] / 1e6, 3), "rel_err": None, "tiles": None}
             for name in calls if us.get(name) is not None]
@@ -293,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.quantize:
             E, K, _, _ = projections(shape)["down"]
             for M in ms:
-                rows += [{"shape": shape, **r} for r in bench_quantize(E, K, M, device, args.smoke, args.sweep, log)]
+                point = bench_quantize(E, K, M, device, l2, args.smoke, args.sweep, log)
+                rows += [{"shape": shape, **r} for r in point]
     print_table(rows, log)
     log("\n".join(summarize(rows)))
     out = args.out or (None if args.smoke else os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))

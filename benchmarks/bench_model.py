@@ -489,7 +489,8 @@ def _run_depth(sizes, variants, modes, steps, device, prefill, cache_len, calls,
                 names = {v: f"{sizes.layers}-{v}-{mode}-{step}" for v in variants}
                 profiles = {v: (profile_dir and os.path.join(profile_dir, name + ".prof"),
                                 steps_dir and os.path.join(steps_dir, name)) for v, name in names.items()}
-                groups = [built] if _fit_together(built, step, cache_len) else [{v: m} for v, m in built.items()]
+                together = not built or _fit_together(built, step, cache_len)
+                groups = [built] if together else [{v: m} for v, m in built.items()]
                 group = [{**meta, "layers": sizes.layers, **row}
                          for subset in groups for row in cells(subset, mode, step, ids, cache_len, calls, profiles, guard_filter)]
                 group += [{**meta, "layers": sizes.layers, "variant": v, "mode": mode, "step": step, "error": error}

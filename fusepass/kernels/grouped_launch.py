@@ -23,10 +23,10 @@ from .policy import GroupedTiles, floors_first, grouped_tiles
 from .quantize import quantize_rows_kernel
 
 ROUTE_CHUNK = 64  # the ids route_kernel reads at a time
-# Up to this many rows, route_kernel runs as one program; above, a program a chunk of rows, after
-# route_count_kernel's counts (a launch more): one program was 0.5 us slower at 128 rows, 5.4 at
-# 256 (docs/PERFORMANCE.md, "Mixture of experts": "The route"), and a default-mode step is bound
-# by its launches.
+# Up to this many rows, route_kernel runs as one program; above, a program a chunk of rows (or a
+# span of chunks: ROUTE_MAX_PROGRAMS), after route_count_kernel's counts (a launch more): one
+# program was 0.5 us slower at 128 rows, 5.4 at 256 (docs/PERFORMANCE.md, "Mixture of experts":
+# "The route"), and a default-mode step is bound by its launches.
 ROUTE_ONE_PROGRAM_MAX_M = 128
 # Above, at most this many programs, each placing a span of whole chunks: each program reads every
 # program's counts, and at 16384 rows 128 programs of 128 rows took 11.3 us against 13.5 for 256 of
@@ -58,7 +58,7 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
         launcher(route_kernel, fake)[(1,)](expert_ids, None, rows, block_experts, M, E, blocks, M, 1,
                                            BLOCK_M=rows_a_block, COUNTED=False, **sizes, **searched)
         return rows, block_experts
-    chunks = (M + ROUTE_CHUNK - 1) // ROUTE_CHUNK
+    chunks = torch.sym_max((M + ROUTE_CHUNK - 1) // ROUTE_CHUNK, 1)  # (1 where an unbacked M is 0: no program)
     span = ROUTE_CHUNK * ((chunks + ROUTE_MAX_PROGRAMS - 1) // ROUTE_MAX_PROGRAMS)  # (rows a program places)
     programs = (M + span - 1) // span
     counts = torch.empty((programs, groups), dtype=torch.int32, device=device)
@@ -102,19 +102,24 @@ def gate_fits(gate: torch.Tensor | None, x: torch.Tensor) -> bool:
 
 
 def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, fake: bool, piece: int = QUANTIZE_PIECE,
-                   slots: int = QUANTIZE_SLOTS, num_warps: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+                   slots: int = QUANTIZE_SLOTS, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [M, K] of ``dtype``, scale [M] fp32): ``x``'s rows (given ``recipe.gate``, of
     ``silu(gate) * x``) quantized by ``recipe`` (``quantize.quantize_rows_kernel``). A row of up
-    to QUANTIZE_BLOCK_K is read once, as pieces of the largest power of two that divides K up to
-    ``piece`` (a ragged K: one piece), as many rows a program as ``slots`` pieces hold; a longer
-    row a program, read twice. (``piece``, ``slots``, ``num_warps``: ``scratch`` probes and tests
-    override them.)"""
+    to QUANTIZE_BLOCK_K is read once, as pieces of the largest power of two that divides K (16 to
+    ``piece`` wide), or where that makes more than ``slots`` pieces, ``piece`` wide; the last one
+    masked where K is ragged. As many rows a program as ``slots`` pieces hold (at least one). A
+    longer row a program, read twice. (``piece``, ``slots``, ``num_warps``: ``bench_grouped.py --quantize
+    --sweep`` and the tests override them.)"""
     M, K = x.shape
+    K = int(K)
+    if K == 0:
+        raise ValueError("quantized_rows: rows of no elements have no scale (K = 0)")
     q = torch.empty((M, K), dtype=dtype, device=x.device)
     scale = torch.empty((M,), dtype=torch.float32, device=x.device)
-    K = int(K)
     if K <= QUANTIZE_BLOCK_K:
-        block_k = min(K & -K, piece) if K % 32 == 0 else triton.next_power_of_2(max(K, 16))
+        block_k = max(min(K & -K, piece), 16)
+        if (K + block_k - 1) // block_k > slots:
+            block_k = min(piece, triton.next_power_of_2(max(K, 16)))
         pieces = (K + block_k - 1) // block_k
         slots = max(slots, triton.next_power_of_2(pieces))
         rows = slots // pieces
@@ -123,7 +128,8 @@ def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, fake: bo
     launcher(quantize_rows_kernel, fake)[((M + rows - 1) // rows,)](
         x, recipe.gate, q, scale, M, K, x.stride(0), x.stride(1), DIVISOR=float(recipe.divisor),
         FLOOR=float(recipe.floor), FLOOR_FIRST=floors_first(dtype, recipe.floor_first), GATED=recipe.gate is not None,
-        ROWS=rows, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PIECES=pieces, SLOTS=slots, num_warps=num_warps)
+        ROWS=rows, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PIECES=pieces, SLOTS=slots,
+        num_warps=num_warps or (4 if pieces else 8))
     return q, scale
 
 

@@ -32,7 +32,7 @@ def test_smoke_run_checks_every_output_and_names_its_tiles(bench, tmp_path, caps
 
 @pytest.mark.parametrize("I", [40, 96])  # (a ragged row in one piece; 3 pieces of 32)
 def test_quantize_times_the_rows_kernel_alone_at_its_defaults_and_swept(bench, I):
-    rows = bench.bench_quantize(8, I, 5, "cpu", True, True, log=print)
+    rows = bench.bench_quantize(8, I, 5, "cpu", 0, True, True, log=print)
     p, s, w = bench.QUANTIZE_SWEEP[0]
     assert [(r["proj"], r["M"], r["K"], r["impl"]) for r in rows][:2] == [
         ("quantize", 5, I, bench.QUANTIZED), ("quantize", 5, I, f"{bench.QUANTIZED} at {p}x{s} w{w}")]
@@ -43,7 +43,7 @@ def test_quantize_leaves_out_a_launch_whose_output_is_off_and_says_so(bench, mon
     monkeypatch.setattr(bench, "quantized_rows", lambda x, dtype, recipe, fake, **kw: (
         torch.zeros(x.shape, dtype=dtype), torch.ones(x.shape[0])))
     said = []
-    assert bench.bench_quantize(8, 40, 5, "cpu", True, False, log=said.append) == []
+    assert bench.bench_quantize(8, 40, 5, "cpu", 0, True, False, log=said.append) == []
     assert said == ["  quantize_rows at M=5, I=40 failed: its output is off quantize_rows'"]
 
 

@@ -146,6 +146,9 @@ def test_a_variant_that_cannot_be_built_is_rows_with_its_error_and_the_others_ru
     assert by[("int8", "b1")]["error"] == by[("int8", "b16")]["error"] == "RuntimeError: no kernel here"
     assert "step_ms" in by[("bf16", "b1")] and "step_ms" in by[("bf16", "b16")]
     assert "[1 layers] int8: not built: RuntimeError: no kernel here" in said
+    rows = bench.run([1], ["int8"], ["default"], ["b1"], prefill=8, cache_len=32, calls=2, out=None, sizes=SMALL,
+                     log=said.append)  # (no variant built: its rows alone)
+    assert [(r["variant"], r["error"]) for r in rows] == [("int8", "RuntimeError: no kernel here")]
 
 
 def test_variants_are_timed_in_alternating_rounds(monkeypatch):

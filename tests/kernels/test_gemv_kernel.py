@@ -12,7 +12,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusepass.kernels import configs, launch, launch_scaled_mm
 from fusepass.kernels.configs import GEMV, Config, gemv_config
-from fusepass.kernels.gemv import _packed, scaled_gemv_kernel
+from fusepass.kernels.gemv import _packed, _rounded, scaled_gemv_kernel
 from fusepass.kernels.scaled_mm import scaled_mm_kernel
 from tests.support.helpers import assert_matches_oracle, make_problem
 from tests.kernels.test_plan import FLAGS, _operands
@@ -197,3 +197,26 @@ def test_a_gemv_config_refuses_a_symbolic_k():
         b = torch.empty((64, K), dtype=torch.int8).t()
         with pytest.raises(ValueError, match="a static K"):
             launch.plan(gemv_config(64, 256, 132, torch.int8), FLAGS, a, b, launch.new_output(a, b, torch.bfloat16), fake=True)
+
+
+@triton.jit
+def _rounding_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
+    tl.store(out_ptr + offs, _rounded(x, tl.bfloat16), mask=offs < N)
+
+
+def test_bf16_rounding_is_eagers_bit_for_bit():
+    """``gemv._rounded`` to bf16 (a GPU's cast; by its bits under the interpreter) against torch's
+    cast: ties to even both ways, the largest float (to infinity), infinities, a NaN, zeros of
+    both signs, subnormals, and random values."""
+    special = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 2**-8 + 2**-20, 3.4028235e38, -3.4028235e38, float("inf"),
+               -float("inf"), float("nan"), 0.0, -0.0, 1e-40, -3 * 2**-135, 2**-126]
+    randn = torch.randn(200, generator=torch.Generator().manual_seed(0)) * 1e3
+    x = torch.cat([torch.tensor(special), randn]).to(DEVICE)
+    out = torch.empty_like(x)
+    _rounding_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    want = x.to(torch.bfloat16).float()
+    out, want = out.cpu(), want.cpu()
+    assert torch.equal(out.isnan(), want.isnan())
+    assert torch.equal(out[~want.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32))

@@ -69,7 +69,8 @@ def test_route_sorts_rows_into_blocks_of_one_expert():
     assert all(block_of[r] == (ids[r].item() if ids[r] < 3 else 3) for r in range(M))
 
 
-# (one program up to ROUTE_ONE_PROGRAM_MAX_M = 128 rows, then a program a chunk of 64)
+# (one program up to ROUTE_ONE_PROGRAM_MAX_M = 128 rows, then a program a chunk of 64, up to
+# ROUTE_MAX_PROGRAMS of them)
 @pytest.mark.parametrize("M,E,rows_a_block", [(1, 8, 16), (40, 8, 16), (128, 128, 16), (129, 128, 16), (256, 128, 16),
                                                (257, 128, 16), (300, 128, 16), (128, 255, 1),
                                                (1000, 64, 64), (130, 3, 4), (300, 256, 16), (700, 3, 64),

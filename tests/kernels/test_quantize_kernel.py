@@ -39,10 +39,12 @@ def _check(x, gate, dtype, divisor, floor=SCALE_EPS, floor_first=None, **launch)
 
 @pytest.mark.parametrize("dtype,divisor", [(I8, 127.5), (I8, 127.0), (F8, 448.0)], ids=["int8", "int8-127", "fp8"])
 @pytest.mark.parametrize("gated", [False, True], ids=["rows", "gated"])
-@pytest.mark.parametrize("M,K", [(40, 768), (3, 1), (5, 100), (2, grouped_launch.QUANTIZE_BLOCK_K + 40)])
+@pytest.mark.parametrize("M,K", [(40, 768), (3, 1), (5, 100), (3, grouped_launch.QUANTIZE_BLOCK_K),
+                                 (2, grouped_launch.QUANTIZE_BLOCK_K - 1), (2, grouped_launch.QUANTIZE_BLOCK_K + 40)])
 def test_rows_are_quantize_rows_of_the_rows(dtype, divisor, gated, M, K):
-    """K of one block, a ragged one, one element, and more than a block (two reads of the row);
-    M a whole number of programs' rows and not."""
+    """Rows in whole pieces (768: 3 of 256; 4096: 16, a row a program), ragged (100: 7 of 16, the
+    last masked; 4095: 16 of 256), one element, and more than a block (two reads of the row); M a
+    whole number of programs' rows and not."""
     x, gate = _rows(M, K, seed=M + K)
     _check(x, gate if gated else None, dtype, divisor)
 
@@ -50,11 +52,11 @@ def test_rows_are_quantize_rows_of_the_rows(dtype, divisor, gated, M, K):
 @pytest.mark.parametrize("K", [768, 96, 100])
 @pytest.mark.parametrize("piece,slots,warps", [(256, 4, 4), (256, 16, 8), (32, 4, 2), (64, 32, 4)])
 def test_rows_as_pieces_in_slots(K, piece, slots, warps):
-    """A row in pieces (768: 3 of 256, or 12 of 64, or 24 of 32; 96: 3 of 32; 100, ragged: one
-    masked piece), a row a program or several, slots left unused; 13 rows, the last program's
-    ragged."""
+    """A row in pieces (768: 3 of 256, 12 of 64 or 24 of 32; 96: 3 of 32; 100, ragged: 7 of 16,
+    or 4 of 32 or one of 128, the last masked), a row a program or several, slots left unused;
+    13 rows, the last program's ragged; NaNs in a row's first and last pieces, and in the last row."""
     x, gate = _rows(13, K, seed=K + slots)
-    x[4, 7] = float("nan")
+    x[4, 7] = x[7, K - 1] = x[12, K // 2] = float("nan")
     for dtype, divisor in ((I8, 127.5), (F8, 448.0)):
         _check(x, None, dtype, divisor, piece=piece, slots=slots, num_warps=warps)
         _check(x, gate, dtype, divisor, piece=piece, slots=slots, num_warps=warps)
@@ -79,9 +81,16 @@ def test_strided_rows_and_gates_cut_from_one_output():
 
 
 @pytest.mark.parametrize("dtype", [I8, F8], ids=["int8", "fp8"])
-@pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_a_nan_or_an_infinity_makes_the_rows_scale_nan(dtype, value):
-    x, gate = _rows(4, 64, seed=6)
-    gate[1, 5] = value
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("K", [64, 768, grouped_launch.QUANTIZE_BLOCK_K + 40])  # (one piece, 3, two reads)
+def test_a_nan_or_an_infinity_makes_the_rows_scale_nan(dtype, value, K):
+    """Its row's scale alone: in a row's first element, its last, and the last row's."""
+    x, gate = _rows(7, K, seed=6)
+    gate[1, 5] = gate[3, K - 1] = gate[6, 0] = value
     _, s = quantized_rows(x, dtype, Recipe(127.5, SCALE_EPS, None, gate), fake=False)
-    assert s[1].isnan() and not s[[0, 2, 3]].isnan().any()
+    assert s.isnan().tolist() == [False, True, False, True, False, False, True]
+
+
+def test_rows_of_no_elements_are_refused():
+    with pytest.raises(ValueError, match=r"quantized_rows: rows of no elements have no scale \(K = 0\)"):
+        quantized_rows(torch.zeros(3, 0, device=DEVICE), I8, Recipe(127.5, SCALE_EPS), fake=False)
