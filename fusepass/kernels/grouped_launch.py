@@ -124,11 +124,11 @@ def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, fake: bo
         slots = max(slots, triton.next_power_of_2(pieces))
         rows = slots // pieces
     else:
-        block_k, pieces, rows = QUANTIZE_BLOCK_K, 0, 1
+        block_k, pieces, slots, rows = QUANTIZE_BLOCK_K, 0, 1, 1
     launcher(quantize_rows_kernel, fake)[((M + rows - 1) // rows,)](
         x, recipe.gate, q, scale, M, K, x.stride(0), x.stride(1), DIVISOR=float(recipe.divisor),
         FLOOR=float(recipe.floor), FLOOR_FIRST=floors_first(dtype, recipe.floor_first), GATED=recipe.gate is not None,
-        ROWS=rows, BLOCK_K=block_k, EVEN_K=K % block_k == 0, PIECES=pieces, SLOTS=slots,
+        BLOCK_K=block_k, EVEN_K=K % block_k == 0, PIECES=pieces, SLOTS=slots,
         num_warps=num_warps or (4 if pieces else 8))
     return q, scale
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .gemv import _quantized, _row_block, scale_of
+from .gemv import _quantized, _row_block, row_scale, scale_of
 
 
 @triton.jit
@@ -26,18 +26,19 @@ def quantize_rows_kernel(
     x_ptr, g_ptr, q_ptr, scale_ptr,  # (M, K) any strides; GATED (M, K) of x's strides; (M, K) contiguous; (M,)
     M, K, stride_xm, stride_xk,
     DIVISOR: tl.constexpr, FLOOR: tl.constexpr, FLOOR_FIRST: tl.constexpr, GATED: tl.constexpr,
-    ROWS: tl.constexpr,  # rows a program (a ragged last program reads row M - 1 again, its stores masked)
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    PIECES: tl.constexpr,  # > 0: a row is PIECES pieces of BLOCK_K (ragged: one piece), read once; 0: read twice
-    SLOTS: tl.constexpr,  # PIECES > 0: a power of two >= ROWS * PIECES, the pieces a program holds
+    PIECES: tl.constexpr,  # > 0: a row is PIECES pieces of BLOCK_K (the last masked unless EVEN_K); 0: a row a program
+    SLOTS: tl.constexpr,  # PIECES > 0: a power of two >= PIECES, the pieces a program holds
 ):
-    """Where PIECES > 0 (K up to ``grouped_launch.QUANTIZE_BLOCK_K``) a program holds its rows in
-    registers as SLOTS pieces of BLOCK_K (a piece whose row is past ROWS unused), each row read
-    and computed once: a row of 768 as 3 pieces of 256, 5 rows in 16 slots, where one block of
-    1024 a row left a quarter of the lanes idle. Else a row block at a time, twice: its amax,
-    then its values."""
+    """Where PIECES > 0 (K up to ``grouped_launch.QUANTIZE_BLOCK_K``) a program holds
+    SLOTS // PIECES rows in registers as SLOTS pieces of BLOCK_K (a piece whose row is past them
+    unused; a ragged last program reads row M - 1 again, its stores masked), each row read and
+    computed once: a row of 768 as 3 pieces of 256, 5 rows in 16 slots, where one block of 1024
+    a row left a quarter of the lanes idle. Else a row a program, read twice: its amax, then its
+    values."""
     fp8: tl.constexpr = q_ptr.dtype.element_ty == tl.float8e4nv
     if PIECES > 0:
+        ROWS: tl.constexpr = SLOTS // PIECES
         slot = tl.arange(0, SLOTS)
         offs_m = tl.program_id(0).to(tl.int64) * ROWS + slot // PIECES  # (SLOTS,) each piece's row
         rows = tl.minimum(offs_m, M - 1)[:, None]
@@ -46,7 +47,8 @@ def quantize_rows_kernel(
         if GATED:
             gate_ptr = g_ptr + rows * stride_xm
         x = _row_block(row_ptr, gate_ptr, offs_k, K, stride_xk, EVEN_K, GATED).to(tl.float32)
-        amax, nans = tl.max(tl.abs(x), axis=1), tl.sum(x * 0.0, axis=1)  # (SLOTS,) a piece's
+        # (a piece's amax and NaN test: gemv.row_scale's, a piece at a time)
+        amax, nans = tl.max(tl.abs(x), axis=1), tl.sum(x * 0.0, axis=1)  # (SLOTS,)
         if PIECES > 1:  # (its row's: the row's pieces combined, slot j standing for the program's row j)
             mine = (slot // PIECES)[None, :] == slot[:, None]  # (row j, piece i)
             amax = tl.max(tl.where(mine, amax[None, :], 0.0), axis=1)
@@ -62,22 +64,13 @@ def quantize_rows_kernel(
         offs_m = tl.program_id(0).to(tl.int64) * ROWS + slot
         tl.store(scale_ptr + offs_m, scale, mask=(slot < ROWS) & (offs_m < M))
     else:
-        offs_m = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        rows = tl.minimum(offs_m, M - 1)[:, None]  # (ROWS, 1)
-        row_ptr, gate_ptr = x_ptr + rows * stride_xm, g_ptr
+        m = tl.program_id(0).to(tl.int64)
+        row_ptr, gate_ptr = x_ptr + m * stride_xm, g_ptr
         if GATED:
-            gate_ptr = g_ptr + rows * stride_xm
-        offs_k = tl.arange(0, BLOCK_K)[None, :]  # (1, BLOCK_K)
-        amax = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
-        nans = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+            gate_ptr = g_ptr + m * stride_xm
+        scale = row_scale(row_ptr, gate_ptr, K, stride_xk, DIVISOR, FLOOR, BLOCK_K, EVEN_K, GATED, FLOOR_FIRST)
         for kb in range(tl.cdiv(K, BLOCK_K)):
-            x = _row_block(row_ptr, gate_ptr, kb * BLOCK_K + offs_k, K, stride_xk, EVEN_K, GATED).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-            nans += x * 0.0
-        scale = scale_of(tl.max(amax, axis=1), tl.sum(nans, axis=1), DIVISOR, FLOOR, FLOOR_FIRST)
-        for kb in range(tl.cdiv(K, BLOCK_K)):
-            ks = kb * BLOCK_K + offs_k
-            q = _quantized(_row_block(row_ptr, gate_ptr, ks, K, stride_xk, EVEN_K, GATED), scale[:, None], fp8)
-            tl.store(q_ptr + offs_m[:, None] * K + ks, q.to(q_ptr.dtype.element_ty),
-                     mask=(offs_m[:, None] < M) & (ks < K))
-        tl.store(scale_ptr + offs_m, scale, mask=offs_m < M)
+            offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            q = _quantized(_row_block(row_ptr, gate_ptr, offs_k, K, stride_xk, EVEN_K, GATED), scale, fp8)
+            tl.store(q_ptr + m * K + offs_k, q.to(q_ptr.dtype.element_ty), mask=offs_k < K)
+        tl.store(scale_ptr + m, scale)
