@@ -65,7 +65,8 @@ TOL = 2e-2  # relative Frobenius error of a bf16 result against the float refere
 SWEEP = [GroupedTiles(True, 1, n, k, w, 3) for n in (4, 8, 16, 32) for k in (256, 512, 1024) for w in (2, 4)] + [
     GroupedTiles(False, *t) for t in ((16, 64, 256, 4, 3), (16, 128, 128, 4, 4), (16, 128, 256, 8, 3),
                                       (32, 128, 128, 4, 4), (64, 128, 128, 4, 4), (64, 256, 128, 8, 3),
-                                      (128, 256, 128, 8, 3))]
+                                      (64, 256, 128, 8, 4), (128, 128, 128, 8, 3), (128, 128, 256, 8, 3),
+                                      (128, 256, 128, 8, 3), (128, 256, 128, 8, 4), (256, 128, 128, 8, 3))]
 
 QUANTIZED = "quantize_rows"  # --quantize: quantize_rows_kernel alone, at the launch's defaults
 # --quantize --sweep: (piece, slots, warps) of quantized_rows

@@ -39,6 +39,8 @@ SHAPES = {
     # Hugging Face LlamaForCausalLM keeps q/k/v and gate/up apart (torchao quantizes each):
     # k_proj / v_proj, gate_proj / up_proj, and lm_head at Llama-3's vocabulary.
     "8b-hf": [(1024, 4096), (14336, 4096), (128256, 4096)],
+    # Qwen3-30B-A3B's dense linears (its experts are bench_grouped.py's): q/k/v joined, o_proj.
+    "qwen3-30b-a3b": [(5120, 2048), (2048, 4096)],
 }
 MS = [1, 16, 64, 256, 1024, 4096, 16384]
 REPLAYS = 25

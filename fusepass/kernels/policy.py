@@ -69,8 +69,8 @@ def grouped_tiles(M, N, K, E, contiguous_k: bool = False, quantizing: bool = Fal
         tiles = GroupedTiles(True, 1, 32, 512 if K >= 2048 else 256, 4, 1)
     elif is_concrete_int(M) and int(M) <= GROUPED_SMALL_BLOCKS_MAX_ROWS * E:
         tiles = GroupedTiles(False, 16, 128, 256, 8, 3)
-    else:
-        tiles = GroupedTiles(False, 64, 256, 128, 8, 3)
+    else:  # (4 stages: 14% faster than 3 for Qwen3-30B-A3B's gate/up at 16384 rows, 6% for down)
+        tiles = GroupedTiles(False, 64, 256, 128, 8, 4)
     narrowest = 8 if tiles.rows else 16
     return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(narrowest, triton.next_power_of_2(N))),
                         min(tiles.block_k, max(32, triton.next_power_of_2(K))), tiles.num_warps, tiles.num_stages)

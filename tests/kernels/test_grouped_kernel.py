@@ -110,8 +110,44 @@ def test_the_tiles_by_rows_and_rows_an_expert():
     assert str(grouped_tiles(GROUPED_ROWS_MAX_M + 1, N, K, E, contiguous_k=True)) == "blocks 16x128x256 w8 s3"
     assert str(grouped_tiles(GROUPED_ROWS_MAX_M + 1, N, K, E)) == "blocks 16x128x256 w8 s3"
     assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E, N, K, E)) == "blocks 16x128x256 w8 s3"
-    assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E + 1, N, K, E)) == "blocks 64x256x128 w8 s3"
+    assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E + 1, N, K, E)) == "blocks 64x256x128 w8 s4"
     assert str(grouped_tiles(40, 40, 72, 8)) == "blocks 16x64x128 w8 s3"  # (no wider than N and K need)
+
+
+def test_the_blocks_stages_fit_the_shared_memory():
+    from fusepass.kernels.grouped_launch import fitted_stages
+    from fusepass.kernels.launch import HOPPER_SHARED_MEMORY, SHARED_MEMORY_RESERVE
+
+    prefill = GroupedTiles(False, 64, 256, 128, 8, 4)  # 40 KB a stage
+    assert fitted_stages(prefill, HOPPER_SHARED_MEMORY - SHARED_MEMORY_RESERVE) == prefill
+    assert fitted_stages(prefill, 163840) == prefill
+    assert fitted_stages(prefill, 163839).num_stages == 3
+    assert fitted_stages(prefill, 101376).num_stages == 2  # (an sm_89's 99 KB)
+    assert fitted_stages(prefill, 1000).num_stages == 1
+    rows = GroupedTiles(True, 1, 8, 512, 2, 3)
+    assert fitted_stages(rows, 1000) == rows
+
+
+def test_a_launch_takes_the_stages_that_fit(monkeypatch):
+    seen = []
+    real = grouped_launch.launcher
+
+    class Spy:
+        def __init__(self, launch):
+            self.launch = launch
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: (seen.append(kw["num_stages"]), self.launch[grid](*args, **kw))
+
+    def spy(kernel, fake):
+        launch = real(kernel, fake)
+        return Spy(launch) if kernel is grouped_launch.grouped_mm_kernel else launch
+    monkeypatch.setattr(grouped_launch, "launcher", spy)
+    monkeypatch.setattr(grouped_launch, "shared_memory", lambda device: 3 * (16 + 64) * 128 + 1024)
+    p = make_grouped(20, 2, 8, 64, 128, torch.int8, device=DEVICE, seed=3)
+    out = launch_scaled_grouped_mm(*p.args(), tiles=GroupedTiles(False, 16, 64, 128, 4, 4))
+    assert seen == [3]
+    assert_matches_oracle(out, p, torch.bfloat16, HALF_ULPS)
 
 
 @pytest.mark.parametrize("tokens,top_k,E,N,K", [(1, 8, 16, 200, 300), (20, 2, 8, 136, 260)])
