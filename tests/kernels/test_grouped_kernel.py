@@ -97,7 +97,7 @@ def test_route_spans_several_chunks_a_program_above_its_programs(monkeypatch, ma
 
 
 def test_the_tiles_by_rows_and_rows_an_expert():
-    from fusepass.kernels.policy import GROUPED_SMALL_BLOCKS_MAX_ROWS, grouped_tiles
+    from fusepass.kernels.policy import GROUPED_SMALL_BLOCKS_MAX_ROWS, GROUPED_TALL_BLOCKS_MIN_ROWS, grouped_tiles
 
     E, K, N = 128, 2048, 1536
     assert str(grouped_tiles(8, N, K, E)) == "rows 32x512 w4"
@@ -111,6 +111,14 @@ def test_the_tiles_by_rows_and_rows_an_expert():
     assert str(grouped_tiles(GROUPED_ROWS_MAX_M + 1, N, K, E)) == "blocks 16x128x256 w8 s3"
     assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E, N, K, E)) == "blocks 16x128x256 w8 s3"
     assert str(grouped_tiles(GROUPED_SMALL_BLOCKS_MAX_ROWS * E + 1, N, K, E)) == "blocks 64x256x128 w8 s4"
+    assert str(grouped_tiles(2048 * 8, N, K, E)) == "blocks 64x256x128 w8 s4"  # (Qwen3-30B-A3B's prefill)
+    assert str(grouped_tiles(GROUPED_TALL_BLOCKS_MIN_ROWS * E - 1, N, K, E)) == "blocks 64x256x128 w8 s4"
+    assert str(grouped_tiles(GROUPED_TALL_BLOCKS_MIN_ROWS * E, N, K, E)) == "blocks 128x256x128 w8 s4"
+    assert str(grouped_tiles(2048 * 8, 2048, 2048, 64)) == "blocks 128x256x128 w8 s4"  # (OLMoE's prefill)
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    symbolic = ShapeEnv().create_unbacked_symint()  # (a symbolic M: the prefill tiles, never the tall ones)
+    assert str(grouped_tiles(symbolic, N, K, E)) == "blocks 64x256x128 w8 s4"
     assert str(grouped_tiles(40, 40, 72, 8)) == "blocks 16x64x128 w8 s3"  # (no wider than N and K need)
 
 
