@@ -47,7 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_linear as bl  # noqa: E402  (puts the repo root on sys.path and imports fusepass)
 
 from fusepass.integrations.linear import SCALE_EPS  # noqa: E402
-from fusepass.kernels.grouped_launch import Recipe, launch_scaled_grouped_mm, quantized_rows  # noqa: E402
+from fusepass.kernels.grouped_launch import (  # noqa: E402
+    Recipe, fitted_stages, launch_scaled_grouped_mm, quantized_rows)
 from fusepass.kernels.policy import GROUPED_ROWS_MAX_M, GroupedTiles, grouped_tiles  # noqa: E402
 from fusepass.ops.dynamic import quantize_rows  # noqa: E402
 
@@ -196,6 +197,7 @@ def bench_point(proj: str, E, K, N, k, M, device, l2_bytes: int, smoke: bool, sw
         # (the policy's, for the weights' layout: [E, N, K] transposed, contiguous along K)
         dt, tiles, gates = impls.get(name, (None, None, False))
         tiles = tiles or (grouped_tiles(M, N, K, E, True, gates) if name in impls else None)
+        tiles = tiles and fitted_stages(tiles, torch.device(device))  # (the stages the launch ran)
         rows.append({"proj": proj, "E": E, "K": K, "N": N, "M": M, "impl": name, "us": round(us[name], 2),
                      "TBps": round(read / us[name] / 1e6, 3), "rel_err": err, "tiles": tiles and str(tiles)})
     return rows

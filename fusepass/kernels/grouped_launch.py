@@ -18,7 +18,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .blockwise import BLOCK
 from .direct import launcher
 from .grouped import grouped_gemv_kernel, grouped_mm_kernel, route_count_kernel, route_kernel
-from .launch import INTERPRETED, SHARED_MEMORY_RESERVE, dp4a_rows, flat, on_device, shared_memory, traced
+from .launch import INTERPRETED, dp4a_rows, fitting_stages, flat, on_device, traced
 from .policy import GroupedTiles, floors_first, grouped_tiles
 from .quantize import quantize_rows_kernel
 
@@ -133,14 +133,13 @@ def quantized_rows(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, fake: bo
     return q, scale
 
 
-def fitted_stages(t: GroupedTiles, limit: float) -> GroupedTiles:
-    """The sorted-block tiles ``t`` with as many of their stages as fit ``limit`` bytes of shared
-    memory (8-bit operands: a stage holds a [block_m, block_k] and a [block_k, block_n] tile), at
-    least one; the row kernel's as they are."""
-    stages = t.num_stages
-    while not t.rows and stages > 1 and stages * (t.block_m + t.block_n) * t.block_k > limit:
-        stages -= 1
-    return replace(t, num_stages=stages)
+def fitted_stages(t: GroupedTiles, device: torch.device) -> GroupedTiles:
+    """The sorted-block tiles ``t`` with as many of their stages as fit ``device``'s shared memory
+    (a stage: a [block_m, block_k] and a [block_k, block_n] tile of 8-bit operands), at least one;
+    the row kernel's as they are."""
+    if t.rows:
+        return t
+    return replace(t, num_stages=fitting_stages(t.num_stages, (t.block_m + t.block_n) * t.block_k, device) or 1)
 
 
 def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,
@@ -188,7 +187,7 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
                  HAS_BIAS=bias is not None, HAS_ROW_WEIGHTS=w is not None, BLOCK_SCALES=blocks)
     if blocks and t.block_k > BLOCK:  # (a K slice within one group of the scales)
         t = replace(t, block_k=BLOCK)
-    t = fitted_stages(t, shared_memory(a.device) - SHARED_MEMORY_RESERVE)
+    t = fitted_stages(t, a.device)
     tiling = dict(BLOCK_N=t.block_n, BLOCK_K=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages)
 
     def launch():

@@ -303,15 +303,25 @@ def persistent_stages(cfg: Config, out_size: int, device: torch.device) -> Confi
     a bf16 output (224 KB), not with an fp32 one (256 KB of the H200's 227 KB; a torchao
     model's fp32 epilogue output hit it). Triton 3.6 took exactly this plus 32 bytes
     of barriers there; SHARED_MEMORY_RESERVE covers those."""
-    limit = shared_memory(device) - SHARED_MEMORY_RESERVE
     store = cfg.block_m * (cfg.block_n // 2) * out_size
+    stages = fitting_stages(cfg.num_stages, (cfg.block_m + cfg.block_n) * cfg.block_k, device, store, least=2)
+    return None if stages is None else replace(cfg, num_stages=stages)
 
-    def size(stages):  # 8-bit operands: one byte an element
-        return stages * (cfg.block_m + cfg.block_n) * cfg.block_k + store
-    stages = cfg.num_stages
-    while stages > 2 and size(stages) > limit:
+
+def fitting_stages(stages: int, stage_bytes: int, device: torch.device, fixed: int = 0, least: int = 1) -> int | None:
+    """The most of ``stages`` (at least ``least``) whose operand buffers (``stage_bytes`` a stage:
+    8-bit operands, a byte an element) and ``fixed`` bytes fit the shared memory a program may take
+    on ``device``; None where ``least`` do not. Triton's loop pipeliner keeps a buffer a stage
+    where a Hopper wgmma reads the operands, one fewer elsewhere (an unknown device counts as Hopper,
+    as ``shared_memory`` does)."""
+    limit = shared_memory(device) - SHARED_MEMORY_RESERVE
+    spare = 0 if device_arch(device) in ("sm90", None) else 1
+
+    def size(n):
+        return (n - spare) * stage_bytes + fixed
+    while stages > least and size(stages) > limit:
         stages -= 1
-    return replace(cfg, num_stages=stages) if size(stages) <= limit else None
+    return stages if size(stages) <= limit else None
 
 
 SHARED_MEMORY_RESERVE = 1024

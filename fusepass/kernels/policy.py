@@ -34,10 +34,6 @@ GROUPED_ROWS_MAX_M = 32
 # Rows an expert on average up to which the sorted kernel takes its small blocks (few rows an
 # expert: padding costs more than the larger tiles save); above, the prefill tiles.
 GROUPED_SMALL_BLOCKS_MAX_ROWS = 16
-# From this many rows an expert on average the prefill tiles are 128 rows high, below 64: at 16384
-# rows, OLMoE's 64 experts (256 rows each) ran 12% (gate/up) and 5% (down) faster on 128-row blocks,
-# Qwen3-30B-A3B's 128 (128 rows each) 2% and 17% slower (docs/PERFORMANCE.md, "Mixture of experts").
-GROUPED_TALL_BLOCKS_MIN_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -64,8 +60,8 @@ def grouped_tiles(M, N, K, E, contiguous_k: bool = False, quantizing: bool = Fal
     experts"); ``contiguous_k``: the row kernel reads rows of ``b.T`` (gemv.py's loop: 8 of them
     a program, 2 warps, a block that divides K where one of 512, 256 or 128 does); ``quantizing``:
     it also quantizes (and gates) its rows (``scaled_grouped_mm_dynamic``), which each program
-    does for itself, so 32 of them a program. A symbolic M takes the prefill tiles, 64 rows high.
-    Tiles no wider than N and K need."""
+    does for itself, so 32 of them a program. A symbolic M takes the prefill tiles. Tiles no
+    wider than N and K need."""
     if statically_known_true(M <= GROUPED_ROWS_MAX_M) and contiguous_k:
         block_k = next((k for k in (512, 256, 128) if statically_known_true(K % k == 0)), 512)
         tiles = GroupedTiles(True, 1, 32 if quantizing else 8, block_k, 2, 3)
@@ -73,9 +69,8 @@ def grouped_tiles(M, N, K, E, contiguous_k: bool = False, quantizing: bool = Fal
         tiles = GroupedTiles(True, 1, 32, 512 if K >= 2048 else 256, 4, 1)
     elif is_concrete_int(M) and int(M) <= GROUPED_SMALL_BLOCKS_MAX_ROWS * E:
         tiles = GroupedTiles(False, 16, 128, 256, 8, 3)
-    else:  # (4 stages: 14% faster than 3 for Qwen3-30B-A3B's gate/up at 16384 rows, 6% for down)
-        tall = is_concrete_int(M) and int(M) >= GROUPED_TALL_BLOCKS_MIN_ROWS * E
-        tiles = GroupedTiles(False, 128 if tall else 64, 256, 128, 8, 4)
+    else:  # (4 stages: int8 14% faster than 3 for Qwen3-30B-A3B's gate/up at 16384 rows, 6% for down)
+        tiles = GroupedTiles(False, 64, 256, 128, 8, 4)
     narrowest = 8 if tiles.rows else 16
     return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(narrowest, triton.next_power_of_2(N))),
                         min(tiles.block_k, max(32, triton.next_power_of_2(K))), tiles.num_warps, tiles.num_stages)
