@@ -308,14 +308,18 @@ def persistent_stages(cfg: Config, out_size: int, device: torch.device) -> Confi
     return None if stages is None else replace(cfg, num_stages=stages)
 
 
+# GPUs whose Triton dots are mma.sync fed by cp.async: its loop pipeliner keeps a buffer fewer than
+# the stages there; a Hopper wgmma (and, by its pipeliner's waits, a Blackwell MMA) reads a buffer a stage.
+MMA_SYNC_ARCHS = ("sm80", "sm86", "sm87", "sm89", "sm120", "sm121")
+
+
 def fitting_stages(stages: int, stage_bytes: int, device: torch.device, fixed: int = 0, least: int = 1) -> int | None:
-    """The most of ``stages`` (at least ``least``) whose operand buffers (``stage_bytes`` a stage:
+    """The most of ``stages`` (down to ``least``) whose operand buffers (``stage_bytes`` a stage:
     8-bit operands, a byte an element) and ``fixed`` bytes fit the shared memory a program may take
-    on ``device``; None where ``least`` do not. Triton's loop pipeliner keeps a buffer a stage
-    where a Hopper wgmma reads the operands, one fewer elsewhere (an unknown device counts as Hopper,
-    as ``shared_memory`` does)."""
+    on ``device`` (``shared_memory``'s); None where ``least`` do not. A buffer a stage, one fewer on
+    MMA_SYNC_ARCHS."""
     limit = shared_memory(device) - SHARED_MEMORY_RESERVE
-    spare = 0 if device_arch(device) in ("sm90", None) else 1
+    spare = 1 if device_arch(device) in MMA_SYNC_ARCHS else 0
 
     def size(n):
         return (n - spare) * stage_bytes + fixed

@@ -129,7 +129,7 @@ def test_the_blocks_stages_fit_the_shared_memory(monkeypatch):
 
     cuda = torch.device("cuda")
     prefill = GroupedTiles(False, 64, 256, 128, 8, 4)  # 40 KB a stage
-    tall = GroupedTiles(False, 128, 256, 128, 8, 4)  # 48 KB a stage
+    tall = GroupedTiles(False, 128, 256, 128, 8, 4)  # 48 KB a stage (bench_grouped's sweep has it)
     small = GroupedTiles(False, 16, 128, 256, 8, 3)  # 36 KB a stage
     _device_memory(monkeypatch, HOPPER_SHARED_MEMORY)
     assert fitted_stages(prefill, cuda) == prefill and fitted_stages(tall, cuda) == tall
@@ -152,13 +152,15 @@ class _StagesSpy:
     def __init__(self, monkeypatch):
         self.seen, real = [], grouped_launch.launcher
 
+        seen = self.seen
+
         class Launch:
             def __init__(self, launch):
                 self.launch = launch
 
-            def __getitem__(launch, grid):
-                return lambda *args, **kw: (self.seen.append((kw["BLOCK_K"], kw["num_stages"])),
-                                            launch.launch[grid](*args, **kw))
+            def __getitem__(self, grid):
+                launch = self.launch[grid]
+                return lambda *args, **kw: (seen.append((kw["BLOCK_K"], kw["num_stages"])), launch(*args, **kw))
 
         def launcher(kernel, fake):
             launch = real(kernel, fake)

@@ -88,12 +88,15 @@ def test_stages_fit_beside_the_store_buffer(monkeypatch):
     # H200: 227 KB a program. 256x128x128 int8 tiles take 48 KB a stage; the half-tile store
     # buffer 32 KB in bf16, 64 KB in fp32: 4 stages fit with the one, 3 with the other.
     monkeypatch.setattr(launch, "shared_memory", lambda device: 232448)
+    monkeypatch.setattr(launch, "device_arch", lambda device: "sm90")
     big = Config(256, 128, 128, num_warps=8, num_stages=4, tma=True, persistent=True)
     assert launch.persistent_stages(big, 2, torch.device("cuda")).num_stages == 4
     assert launch.persistent_stages(big, 4, torch.device("cuda")).num_stages == 3
     assert launch.persistent_stages(Config(128, 128, 128, num_stages=4, tma=True, persistent=True), 4,
                                     torch.device("cuda")).num_stages == 4
     assert launch.persistent_stages(Config(256, 256, 256, num_stages=4), 4, torch.device("cuda")) is None  # 2 don't fit
+    monkeypatch.setattr(launch, "device_arch", lambda device: "sm89")  # (mma.sync: a buffer fewer than the stages)
+    assert launch.persistent_stages(big, 4, torch.device("cuda")).num_stages == 4
     monkeypatch.undo()
     assert launch.shared_memory(torch.device("cpu")) == float("inf")  # the interpreter: no limit
     if not torch.cuda.is_available():  # fake CUDA tensors on this host: Hopper's limit
