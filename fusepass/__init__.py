@@ -15,8 +15,8 @@ from .backend import fusepass_backend, inductor_options
 from .explain import Report, explain
 from .integrations import Preparation, W8A8Experts, W8A8Linear, prepare, quantize_experts
 from .integrations.saved import register_when_imported
-from .ops import (int_mm, scaled_grouped_mm, scaled_grouped_mm_dynamic, scaled_mm, scaled_mm_azp, scaled_mm_blockwise,
-                  scaled_mm_blockwise_dynamic, scaled_mm_dynamic, scaled_mm_group)
+from .ops import (int_mm, route_experts, scaled_grouped_mm, scaled_grouped_mm_dynamic, scaled_mm, scaled_mm_azp,
+                  scaled_mm_blockwise, scaled_mm_blockwise_dynamic, scaled_mm_dynamic, scaled_mm_group)
 from .passes import FusePass, PassConfig
 
 
@@ -50,4 +50,5 @@ __all__ = [
     "scaled_mm_group",
     "scaled_grouped_mm",
     "scaled_grouped_mm_dynamic",
+    "route_experts",
 ]

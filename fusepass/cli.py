@@ -48,6 +48,11 @@ def _check_cases(M: int, N: int, K: int, seed: int, fp8: bool) -> list:
     azp = torch.round(-128 - lo / s_az).to(torch.int32)
     a_az = torch.clamp(torch.round(x / s_az) + azp, -128, 127).to(torch.int8)
     qd, sd = quantize_rows(xb, torch.int8, 127.5, torch.finfo(torch.float32).eps)  # scaled_mm_dynamic's recipe
+
+    def routed(t, sorted_rows, block_experts):  # (scaled_grouped_mm's case below, its rows sorted first)
+        return fusepass.scaled_grouped_mm(
+            t(a), t(torch.stack([b.t(), b2.t()])), t(sa), t(torch.stack([sb.flatten(), sb2.flatten()])), t(experts),
+            bf16, t(torch.stack([bias, bias])), sorted_rows=sorted_rows, block_experts=block_experts)
     cases = [
         ("scaled_mm int8", lambda t: fusepass.scaled_mm(t(a), t(b.t()), t(sa), t(sb.t()), bf16, t(bias)),
          ref(a, sa, b, sb)),
@@ -64,6 +69,9 @@ def _check_cases(M: int, N: int, K: int, seed: int, fp8: bool) -> list:
         ("scaled_grouped_mm int8", lambda t: fusepass.scaled_grouped_mm(
             t(a), t(torch.stack([b.t(), b2.t()])), t(sa), t(torch.stack([sb.flatten(), sb2.flatten()])), t(experts),
             bf16, t(torch.stack([bias, bias]))),
+         torch.where(experts[:, None] == 0, ref(a, sa, b, sb), ref(a, sa, b2, sb2))),
+        # (the same with the rows sorted by expert first, as a layer's two matmuls share them)
+        ("route_experts + scaled_grouped_mm int8", lambda t: routed(t, *fusepass.route_experts(t(experts), 2, 16)),
          torch.where(experts[:, None] == 0, ref(a, sa, b, sb), ref(a, sa, b2, sb2))),
         # (the experts' weights as stored, [E, N, K], transposed: on a GPU the kernel quantizes the rows)
         ("scaled_grouped_mm_dynamic int8", lambda t: fusepass.scaled_grouped_mm_dynamic(

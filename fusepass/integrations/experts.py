@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..kernels.policy import grouped_block_m
 from ..ops.dynamic import quantize_rows
-from ..ops.grouped import scaled_grouped_mm
+from ..ops.grouped import route_experts, scaled_grouped_mm
 from ..ops.grouped_dynamic import scaled_grouped_mm_dynamic
 from .linear import ACTS, FP8_MAX, Act, act_index, keeping_dtypes, quantize_input, row_recipe
 from .replacing import replacing_loses
@@ -79,8 +80,13 @@ class W8A8Experts(nn.Module):
         act, k = ACTS[self.act_index], top_k_index.shape[1]
         q, scale, _ = quantize_input(hidden_states, act)
         ids = top_k_index.reshape(-1)  # (each token's k routed rows read its one quantized row)
+        # (the rows sorted by expert once for both matmuls where they take the sorted blocks; with a
+        # symbolic M each matmul sorts them itself: Dynamo cannot trace the policy's symbolic compares)
+        M = ids.shape[0]
+        block_m = grouped_block_m(M, self.num_experts) if isinstance(M, int) else None
+        rows, blocks = (None, None) if block_m is None else route_experts(ids, self.num_experts, block_m)
         h = scaled_grouped_mm(q, self.gate_up.transpose(1, 2), scale, _op_scale(self.gate_up_scale), ids,
-                              hidden_states.dtype)
+                              hidden_states.dtype, sorted_rows=rows, block_experts=blocks)
         gate, up = h.chunk(2, dim=-1)
         down, down_scale, weights = self.down.transpose(1, 2), _op_scale(self.down_scale), top_k_weights.reshape(-1)
         if act.kind in ("int8", "fp8") and act.ceiling is None and is_silu(self.act_fn):
@@ -88,10 +94,12 @@ class W8A8Experts(nn.Module):
             # before it above: ops/grouped_dynamic.py)
             divisor, floor = row_recipe(act)
             y = scaled_grouped_mm_dynamic(up, down, down_scale, ids, hidden_states.dtype, row_weights=weights,
-                                          divisor=divisor, floor=floor, gate=gate)
+                                          divisor=divisor, floor=floor, gate=gate, sorted_rows=rows,
+                                          block_experts=blocks)
         else:
             q2, scale2, _ = quantize_input(self.act_fn(gate) * up, act)
-            y = scaled_grouped_mm(q2, down, scale2, down_scale, ids, hidden_states.dtype, row_weights=weights)
+            y = scaled_grouped_mm(q2, down, scale2, down_scale, ids, hidden_states.dtype, row_weights=weights,
+                                  sorted_rows=rows, block_experts=blocks)
         # (each weighted row rounded once to the model's dtype, as transformers' experts round theirs
         # (twice): half the bytes of fp32 rows to write and read again at prefill)
         return add_rows(y, k)

@@ -39,6 +39,12 @@ QUANTIZE_PIECE = 256
 QUANTIZE_SLOTS = 16
 
 
+def route_blocks(M, E: int, rows_a_block: int):
+    """The blocks of ``route``'s list at M rows: M plus a block's padding for each of the E + 1
+    groups, in whole blocks."""
+    return (M + (E + 1) * (rows_a_block - 1) + rows_a_block - 1) // rows_a_block
+
+
 def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, block_experts) of the sorted kernel: the row indices sorted by expert (stable), each
     expert's run padded to whole blocks of ``rows_a_block`` with the sentinel M, in a list of
@@ -48,7 +54,7 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
     above, ``route_count_kernel``'s then ``route_kernel``'s, a program a span of chunks of rows (a
     chunk each up to ROUTE_MAX_PROGRAMS chunks)."""
     M, device = expert_ids.shape[0], expert_ids.device
-    blocks = (M + (E + 1) * (rows_a_block - 1) + rows_a_block - 1) // rows_a_block
+    blocks = route_blocks(M, E, rows_a_block)
     rows = torch.empty((blocks * rows_a_block,), dtype=torch.int32, device=device)
     block_experts = torch.empty((blocks,), dtype=torch.int32, device=device)
     groups = triton.next_power_of_2(E + 2)
@@ -66,6 +72,13 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
     launcher(route_kernel, fake)[(programs,)](expert_ids, counts, rows, block_experts, M, E, blocks, span,
                                               programs, BLOCK_M=rows_a_block, COUNTED=True, **sizes, **searched)
     return rows, block_experts
+
+
+def launch_route(expert_ids: torch.Tensor, E: int, rows_a_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route`` as ``fusepass::route_experts`` launches it on CUDA (or under the interpreter)."""
+    fake = traced(expert_ids)
+    ids = flat(expert_ids, fake)
+    return on_device(ids, fake, lambda: route(ids, E, rows_a_block, fake))
 
 
 @dataclass(frozen=True)
@@ -143,13 +156,15 @@ def fitted_stages(t: GroupedTiles, device: torch.device) -> GroupedTiles:
 
 
 def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,
-                             tiles: GroupedTiles | None = None, recipe: Recipe | None = None):
+                             tiles: GroupedTiles | None = None, recipe: Recipe | None = None, routed=None):
     """The op's CUDA path (and, under Triton's interpreter, CPU tensors): inputs validated by
     ``ops.grouped.check_grouped_args``. Returns the new contiguous (M, N) output. ``tiles``
     overrides ``policy.grouped_tiles`` (tests, benchmarks/bench_grouped.py's sweep). ``recipe``
     (where ``grouped_quantizes``): ``a`` is a float [M, K] and ``scale_a`` None; the row kernel
     quantizes its rows itself (``ops.grouped_dynamic``), the sorted blocks take them from
-    ``quantized_rows`` (a launch before)."""
+    ``quantized_rows`` (a launch before). ``routed``: ``route``'s (rows, block_experts) of these
+    ids, made once for a layer's launches; the sorted blocks take it where its block size is
+    theirs (else they route themselves)."""
     T, K = a.shape
     M, E, N = expert_ids.shape[0], b.shape[0], b.shape[2]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
@@ -204,7 +219,8 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
                 *args, expert_ids, gate, *sizes, **flags, **tiling, K_CONTIG=k_contig, EVEN_K=even_k, DP4A=dp4a,
                 **quant)
         else:
-            rows, block_experts = route(expert_ids, E, t.block_m, fake)
+            takes = routed is not None and statically_known_true(routed[0].shape[0] == routed[1].shape[0] * t.block_m)
+            rows, block_experts = routed if takes else route(expert_ids, E, t.block_m, fake)
             grid = (block_experts.shape[0], triton.cdiv(N, t.block_n))
             launcher(grouped_mm_kernel, fake)[grid](*args, rows, block_experts, *sizes, **flags,
                                                     BLOCK_M=t.block_m, **tiling)

@@ -62,18 +62,31 @@ def grouped_tiles(M, N, K, E, contiguous_k: bool = False, quantizing: bool = Fal
     it also quantizes (and gates) its rows (``scaled_grouped_mm_dynamic``), which each program
     does for itself, so 32 of them a program. A symbolic M takes the prefill tiles. Tiles no
     wider than N and K need."""
-    if statically_known_true(M <= GROUPED_ROWS_MAX_M) and contiguous_k:
+    block_m = grouped_block_m(M, E)
+    if block_m is None and contiguous_k:
         block_k = next((k for k in (512, 256, 128) if statically_known_true(K % k == 0)), 512)
         tiles = GroupedTiles(True, 1, 32 if quantizing else 8, block_k, 2, 3)
-    elif statically_known_true(M <= GROUPED_ROWS_MAX_M):
+    elif block_m is None:
         tiles = GroupedTiles(True, 1, 32, 512 if K >= 2048 else 256, 4, 1)
-    elif is_concrete_int(M) and int(M) <= GROUPED_SMALL_BLOCKS_MAX_ROWS * E:
+    elif block_m == 16:
         tiles = GroupedTiles(False, 16, 128, 256, 8, 3)
     else:  # (4 stages: int8 14% faster than 3 for Qwen3-30B-A3B's gate/up at 16384 rows, 6% for down)
         tiles = GroupedTiles(False, 64, 256, 128, 8, 4)
     narrowest = 8 if tiles.rows else 16
     return GroupedTiles(tiles.rows, tiles.block_m, min(tiles.block_n, max(narrowest, triton.next_power_of_2(N))),
                         min(tiles.block_k, max(32, triton.next_power_of_2(K))), tiles.num_warps, tiles.num_stages)
+
+
+def grouped_block_m(M, E) -> int | None:
+    """The rows of a sorted block at M routed rows and E experts (``grouped_tiles``' ``block_m``):
+    None where the row kernel runs instead (no route). One block size for every [K, N] of a
+    layer, so that its gate/up and down may share one route (``ops.grouped.route_experts``). An
+    int M in plain compares, which Dynamo traces (a module's forward asks it)."""
+    if isinstance(M, int):
+        return None if M <= GROUPED_ROWS_MAX_M else 16 if M <= GROUPED_SMALL_BLOCKS_MAX_ROWS * E else 64
+    if statically_known_true(M <= GROUPED_ROWS_MAX_M):
+        return None
+    return 16 if is_concrete_int(M) and int(M) <= GROUPED_SMALL_BLOCKS_MAX_ROWS * E else 64
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,18 @@ Arguments:
 - ``out_dtype``: bfloat16, float16 or float32;
 - ``bias``: None or [E, N] of an output dtype;
 - ``row_weights``: None or [M] (or [M, 1]) of a float dtype: each row's factor in the epilogue,
-  a router's weight, so that the down projection's output is already weighted.
+  a router's weight, so that the down projection's output is already weighted;
+- ``sorted_rows``, ``block_experts``: None, or ``route_experts(expert_ids, E, block_m)``'s two
+  tensors for these ids: a layer's gate/up and down sort their rows once (``policy.grouped_block_m``
+  gives the block size the launch takes; a route of another block size is not used). On CUDA
+  they are taken as they are (checking them would cost a launch); the CPU checks them against
+  the reference's.
+
+``fusepass::route_experts(expert_ids, num_experts, block_m)``: the sorted blocks' row order
+(``kernels.grouped_launch.route``; on CPU ``reference.route_experts``): [sorted_rows, block_experts],
+int32, the rows sorted by expert (stable; ids outside [0, E) last, as one group), each group
+padded with the row M to whole blocks of ``block_m`` rows, in a list of a length fixed by M, E
+and ``block_m`` (``route_blocks``); each block's expert (E: the invalid ids' group; E + 1: unused).
 
 Why ids per row rather than ``torch._grouped_mm``'s offsets: at decode (batch 1, top-8: 8 rows
 in 8 experts) rows need no sorting, histogram or gather before the launch, and each program
@@ -43,7 +54,8 @@ from typing import Optional
 import torch
 
 from ..kernels.blockwise import BLOCK
-from ..kernels.grouped_launch import launch_scaled_grouped_mm
+from ..kernels.grouped_launch import launch_route, launch_scaled_grouped_mm, route_blocks
+from ..kernels.launch import traced
 from . import reference
 from .checks import (
     BIAS_DTYPES, INPUT_DTYPES, MAX_K_INT8, SCALE_DTYPES, check_devices, check_gpu, check_k, check_operands,
@@ -87,7 +99,8 @@ def _check_block_scales(a, scale_a, scale_b, M, K, N, E) -> None:
                              f"got {describe(t)}")
 
 
-def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights) -> None:
+def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights, sorted_rows=None,
+                       block_experts=None) -> None:
     """Validate the arguments (module docstring); errors name the argument."""
     T, K, N = check_operands(OP, a, b, INPUT_DTYPES, experts=True)
     E = b.shape[0]
@@ -98,7 +111,28 @@ def check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_
     else:
         _check_scales(scale_a, scale_b, T, N, E)
     tensors = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "expert_ids": expert_ids}
+    check_route(OP, sorted_rows, block_experts, M, E, tensors)
     check_routed_rest(OP, tensors, bias, row_weights, M, K, N, E)
+
+
+def check_route(op: str, sorted_rows, block_experts, M, E, tensors: dict) -> None:
+    """Neither, or both int32 of ``route_experts``' sizes at M rows and E experts (added to
+    ``tensors``, whose device they must share)."""
+    if sorted_rows is None and block_experts is None:
+        return
+    if sorted_rows is None or block_experts is None:
+        raise ValueError(f"{op}: `sorted_rows` and `block_experts` come together (route_experts' two tensors); got "
+                         f"only `{'block_experts' if sorted_rows is None else 'sorted_rows'}`")
+    for name, t in (("sorted_rows", sorted_rows), ("block_experts", block_experts)):
+        check_tensor(op, name, t, (torch.int32,))
+        tensors[name] = t
+    blocks = block_experts.shape[0] if block_experts.dim() == 1 else 0
+    block_m = sorted_rows.shape[0] // blocks if sorted_rows.dim() == 1 and blocks else 0
+    if not block_m or sorted_rows.shape[0] != blocks * block_m or blocks != route_blocks(M, E, block_m):
+        raise ValueError(f"{op}: `sorted_rows` and `block_experts` must be route_experts(expert_ids, {E}, block_m)'s "
+                         f"at M = {M} rows: [blocks * block_m] and [blocks], blocks = (M + (E + 1) * (block_m - 1) "
+                         f"+ block_m - 1) // block_m; got sorted_rows {describe(sorted_rows)}, block_experts "
+                         f"{describe(block_experts)}")
 
 
 def check_expert_ids(op: str, expert_ids, T, rows: str) -> int:
@@ -131,6 +165,20 @@ def check_routed_rest(op: str, tensors: dict, bias, row_weights, M, K, N, E) -> 
     check_gpu(op, b.device, b.dtype)
 
 
+def checked_route(op: str, sorted_rows, block_experts, expert_ids, E):
+    """(sorted_rows, block_experts) as the launch takes them (None where not given); on CPU and not
+    traced, refused unless they are the reference's route of ``expert_ids`` (on CUDA a check would
+    cost a launch and a sync)."""
+    if sorted_rows is None:
+        return None
+    if expert_ids.device.type == "cpu" and not traced(expert_ids):
+        want = reference.route_experts(expert_ids, E, sorted_rows.shape[0] // block_experts.shape[0])
+        if not (torch.equal(sorted_rows, want[0]) and torch.equal(block_experts, want[1])):
+            raise ValueError(f"{op}: `sorted_rows` and `block_experts` are not route_experts(expert_ids, {E}, "
+                             "block_m)'s of these `expert_ids`")
+    return sorted_rows, block_experts
+
+
 def scaled_grouped_mm_impl(
     a: Tensor,
     b: Tensor,
@@ -140,24 +188,68 @@ def scaled_grouped_mm_impl(
     out_dtype: torch.dtype,
     bias: Optional[Tensor] = None,
     row_weights: Optional[Tensor] = None,
+    sorted_rows: Optional[Tensor] = None,
+    block_experts: Optional[Tensor] = None,
 ) -> Tensor:
-    check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+    check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights, sorted_rows, block_experts)
+    routed = checked_route(OP, sorted_rows, block_experts, expert_ids, b.shape[0])
     if a.device.type == "cuda":
-        return launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+        return launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights,
+                                        routed=routed)
     return reference.scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
 
 
-def scaled_grouped_mm_fake(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None):
-    check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+def scaled_grouped_mm_fake(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None, sorted_rows=None,
+                           block_experts=None):
+    check_grouped_args(a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights, sorted_rows, block_experts)
     return a.new_empty((expert_ids.shape[0], b.shape[2]), dtype=out_dtype)
 
 
 define("scaled_grouped_mm", scaled_grouped_mm_impl, scaled_grouped_mm_fake)
 
 
-def scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None) -> Tensor:
+def scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None,
+                      sorted_rows=None, block_experts=None) -> Tensor:
     """Each row ``a[m]`` times its expert's weight ``b[expert_ids[m]]``, scaled, biased and
     weighted in one fused kernel (module docstring). Returns a new contiguous [M, N] tensor of
     ``out_dtype``. Same as ``torch.ops.fusepass.scaled_grouped_mm``."""
     return call("scaled_grouped_mm", scaled_grouped_mm_impl,
-                (a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights), out_dtype, replay=False)
+                (a, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights, sorted_rows, block_experts),
+                out_dtype, replay=False)
+
+
+ROUTE_OP = "fusepass.route_experts"
+
+
+def check_route_args(expert_ids, num_experts, block_m) -> None:
+    """Validate ``route_experts``' arguments (module docstring); errors name the argument."""
+    check_tensor(ROUTE_OP, "expert_ids", expert_ids, ID_DTYPES)
+    if expert_ids.dim() != 1:
+        raise ValueError(f"{ROUTE_OP}: `expert_ids` must be [M]; got {describe(expert_ids)}")
+    if not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{ROUTE_OP}: `num_experts` must be an int >= 1; got {num_experts!r}")
+    if not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"{ROUTE_OP}: `block_m` must be a power of two (the sorted blocks' rows); got {block_m!r}")
+
+
+def route_experts_impl(expert_ids: Tensor, num_experts: int, block_m: int) -> list[Tensor]:
+    check_route_args(expert_ids, num_experts, block_m)
+    if expert_ids.device.type == "cuda":
+        return list(launch_route(expert_ids, num_experts, block_m))
+    return list(reference.route_experts(expert_ids, num_experts, block_m))
+
+
+def route_experts_fake(expert_ids, num_experts, block_m):
+    check_route_args(expert_ids, num_experts, block_m)
+    blocks = route_blocks(expert_ids.shape[0], num_experts, block_m)
+    return [expert_ids.new_empty((blocks * block_m,), dtype=torch.int32),
+            expert_ids.new_empty((blocks,), dtype=torch.int32)]
+
+
+define("route_experts", route_experts_impl, route_experts_fake)
+
+
+def route_experts(expert_ids, num_experts, block_m) -> list[Tensor]:
+    """The sorted blocks' row order for ``expert_ids`` (module docstring): [sorted_rows,
+    block_experts], for the layer's grouped matmuls. Same as ``torch.ops.fusepass.route_experts``."""
+    return call("route_experts", route_experts_impl, (expert_ids, num_experts, block_m), replay=False)

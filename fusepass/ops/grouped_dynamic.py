@@ -13,9 +13,9 @@ Arguments: ``x`` [M, K] bfloat16, float16 or float32, one row a routed row (its 
 ``expert_ids[m]``; M may be 0); ``gate`` None or of ``x``'s dtype and shape (a gated expert
 MLP: the gate half of the gate/up projection's output, ``x`` its up half); ``b`` [E, K, N] int8
 or float8_e4m3fn, ``scale_b`` per expert and channel [E, N] or per expert, ``expert_ids``,
-``out_dtype``, ``bias`` and ``row_weights`` as ``scaled_grouped_mm``'s
-(``fusepass/ops/grouped.py``); ``divisor`` > 0, ``floor`` >= 0, ``floor_first`` None, True or
-False. Returns a new contiguous [M, N] tensor of ``out_dtype``.
+``out_dtype``, ``bias``, ``row_weights``, ``sorted_rows`` and ``block_experts`` as
+``scaled_grouped_mm``'s (``fusepass/ops/grouped.py``); ``divisor`` > 0, ``floor`` >= 0,
+``floor_first`` None, True or False. Returns a new contiguous [M, N] tensor of ``out_dtype``.
 
 Why an op of its own: at decode (the grouped row kernel's rows, ``policy.grouped_tiles``), with
 ``b`` contiguous along K and a gate of ``x``'s strides, each program quantizes its row itself (``kernels/gemv.py``'s QUANT and
@@ -38,7 +38,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..kernels.grouped_launch import Recipe, grouped_quantizes, launch_scaled_grouped_mm
 from .checks import INPUT_DTYPES, X_DTYPES, check_out_dtype, check_tensor, describe, valid_recipe
 from .dynamic import quantize_rows
-from .grouped import check_expert_ids, check_expert_scales, check_routed_rest, scaled_grouped_mm_impl
+from .grouped import (
+    check_expert_ids, check_expert_scales, check_route, check_routed_rest, checked_route, scaled_grouped_mm_impl,
+)
 from .registry import call, define
 
 Tensor = torch.Tensor
@@ -46,7 +48,7 @@ OP = "fusepass.scaled_grouped_mm_dynamic"
 
 
 def check_grouped_dynamic_args(x, b, scale_b, expert_ids, out_dtype, bias, row_weights, divisor, floor, gate,
-                               floor_first) -> None:
+                               floor_first, sorted_rows=None, block_experts=None) -> None:
     """Validate the arguments (module docstring); errors name the argument."""
     check_tensor(OP, "x", x, X_DTYPES)
     if gate is not None:
@@ -71,6 +73,7 @@ def check_grouped_dynamic_args(x, b, scale_b, expert_ids, out_dtype, bias, row_w
     tensors = {"x": x, "b": b, "scale_b": scale_b, "expert_ids": expert_ids}
     if gate is not None:
         tensors["gate"] = gate
+    check_route(OP, sorted_rows, block_experts, M, E, tensors)
     check_routed_rest(OP, tensors, bias, row_weights, M, K, N, E)
 
 
@@ -86,26 +89,32 @@ def scaled_grouped_mm_dynamic_impl(
     floor: float = torch.finfo(torch.float32).eps,
     gate: Optional[Tensor] = None,
     floor_first: Optional[bool] = None,
+    sorted_rows: Optional[Tensor] = None,
+    block_experts: Optional[Tensor] = None,
 ) -> Tensor:
     check_grouped_dynamic_args(x, b, scale_b, expert_ids, out_dtype, bias, row_weights, divisor, floor, gate,
-                               floor_first)
+                               floor_first, sorted_rows, block_experts)
     if statically_known_true(x.shape[1] == 0):  # (an empty sum: the bias alone, weighted)
         scale_a = torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
-        return scaled_grouped_mm_impl(x.to(b.dtype), b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+        return scaled_grouped_mm_impl(x.to(b.dtype), b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights,
+                                      sorted_rows, block_experts)
     tiles = grouped_quantizes(x, b, scale_b, expert_ids, gate) if x.device.type == "cuda" else None
     if tiles is not None:  # (the tiles chosen once, here)
         return launch_scaled_grouped_mm(x, b, None, scale_b, expert_ids, out_dtype, bias, row_weights, tiles,
-                                        Recipe(divisor, floor, floor_first, gate))
+                                        Recipe(divisor, floor, floor_first, gate),
+                                        checked_route(OP, sorted_rows, block_experts, expert_ids, b.shape[0]))
     if gate is not None:
         x = torch.nn.functional.silu(gate) * x
     q, scale_a = quantize_rows(x, b.dtype, divisor, floor, floor_first)
-    return scaled_grouped_mm_impl(q, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights)
+    return scaled_grouped_mm_impl(q, b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights, sorted_rows,
+                                  block_experts)
 
 
 def scaled_grouped_mm_dynamic_fake(x, b, scale_b, expert_ids, out_dtype, bias=None, row_weights=None, divisor=127.5,
-                                   floor=torch.finfo(torch.float32).eps, gate=None, floor_first=None):
+                                   floor=torch.finfo(torch.float32).eps, gate=None, floor_first=None,
+                                   sorted_rows=None, block_experts=None):
     check_grouped_dynamic_args(x, b, scale_b, expert_ids, out_dtype, bias, row_weights, divisor, floor, gate,
-                               floor_first)
+                               floor_first, sorted_rows, block_experts)
     return x.new_empty((expert_ids.shape[0], b.shape[2]), dtype=out_dtype)
 
 
@@ -113,10 +122,11 @@ define("scaled_grouped_mm_dynamic", scaled_grouped_mm_dynamic_impl, scaled_group
 
 
 def scaled_grouped_mm_dynamic(x, b, scale_b, expert_ids, out_dtype, bias=None, row_weights=None, divisor=127.5,
-                              floor=torch.finfo(torch.float32).eps, gate=None, floor_first=None) -> Tensor:
+                              floor=torch.finfo(torch.float32).eps, gate=None, floor_first=None, sorted_rows=None,
+                              block_experts=None) -> Tensor:
     """``x`` (float [M, K]; given ``gate``, ``silu(gate) * x``) quantized per row to ``b``'s dtype,
     then ``scaled_grouped_mm``: see the module docstring. Same as
     ``torch.ops.fusepass.scaled_grouped_mm_dynamic``."""
     return call("scaled_grouped_mm_dynamic", scaled_grouped_mm_dynamic_impl,
-                (x, b, scale_b, expert_ids, out_dtype, bias, row_weights, divisor, floor, gate, floor_first),
-                out_dtype, replay=False)
+                (x, b, scale_b, expert_ids, out_dtype, bias, row_weights, divisor, floor, gate, floor_first,
+                 sorted_rows, block_experts), out_dtype, replay=False)

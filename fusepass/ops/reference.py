@@ -112,6 +112,26 @@ def scaled_mm_blockwise(a, b, scale_a, scale_b, out_dtype, bias=None):
     return add_bias_and_round(accumulate_blockwise(a, b, scale_a, scale_b), out_dtype, bias)
 
 
+def route_experts(expert_ids, E: int, block_m: int):
+    """``kernels.grouped_launch.route``'s (rows, block_experts) in torch ops, int32: a stable
+    sort of the rows by expert (ids outside [0, E) as group E), each group padded to whole blocks
+    with the row M, the list padded to its fixed length; each block's group, E + 1 past the groups."""
+    M, device = expert_ids.shape[0], expert_ids.device
+    ids = expert_ids.to(torch.int64)
+    key = torch.where((ids >= 0) & (ids < E), ids, E)  # groups 0..E: E collects invalid ids
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    order = torch.argsort(key, stable=True)
+    group = key[order]
+    rank = torch.arange(M, device=device) - (torch.cumsum(counts, 0) - counts)[group]
+    blocks = (M + (E + 1) * (block_m - 1) + block_m - 1) // block_m
+    rows = torch.full((blocks * block_m,), M, dtype=torch.int64, device=device)
+    rows = rows.scatter(0, (pad_end - padded)[group] + rank, order)
+    block_experts = torch.searchsorted(pad_end, torch.arange(blocks, device=device) * block_m, right=True)
+    return rows.to(torch.int32), block_experts.to(torch.int32)
+
+
 def scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias=None, row_weights=None):
     """Each row's product with its expert's weight, in the accumulator dtype, then the epilogue
     of its expert's scales and bias and its row weight in fp32, one rounding (block scales: each

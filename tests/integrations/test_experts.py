@@ -360,3 +360,31 @@ def test_add_rows_adds_a_tokens_rows_in_fp32_and_rounds_once(dtype, traced, monk
     # (fp32 sums in another order differ by fp32's rounding, under one rounding to bf16 / fp16)
     torch.testing.assert_close(got.double(), exact, rtol=2 * torch.finfo(dtype).eps, atol=1e-4)
     assert add_rows(y[:0], 8).shape == (0, 64)
+
+
+@pytest.mark.parametrize("tokens,routes", [(2, 0), (12, 1)])  # (8 routed rows: the row kernel; 48: the blocks)
+def test_a_layer_sorts_its_rows_once_for_both_matmuls(tokens, routes):
+    """Where the grouped matmuls take the sorted blocks, the layer sorts its routed rows once
+    (``route_experts``) and gives them to gate/up and to down; at the row kernel's rows none."""
+    model = moe_model("qwen3_moe").to(DEVICE)
+    quantize_experts(model, "int8")
+    module = _experts(model)[0]
+    inputs = _routed_inputs(tokens, module.hidden_dim, 16, 4, seed=tokens, device=DEVICE)
+    graphs = []
+
+    def record(gm, example):
+        graphs.append(gm)
+        return gm
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = module(*inputs)
+        got = torch.compile(module, backend=record, dynamic=False, fullgraph=True)(*inputs)
+    nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "fusepass" in str(n.target)]
+    found = [n for n in nodes if "route_experts" in str(n.target)]
+    matmuls = [n for n in nodes if "scaled_grouped_mm" in str(n.target)]
+    assert len(found) == routes and len(matmuls) == 2
+    for n in matmuls:  # (each takes the one route's two tensors, or none)
+        given = [v for v in (*n.args, *n.kwargs.values()) if isinstance(v, torch.fx.Node) and v.args
+                 and any(v.args[0] is f for f in found)]
+        assert sorted(g.args[1] for g in given) == [0, 1][:2 * routes]
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -13,7 +13,7 @@ from fusepass.kernels.grouped_launch import launch_scaled_grouped_mm, route
 from fusepass.kernels.policy import GROUPED_ROWS_MAX_M, GroupedTiles
 from fusepass.ops import reference
 from tests.ops.test_grouped import assert_matches_oracle
-from tests.support.grouped_data import make_grouped, route_reference
+from tests.support.grouped_data import make_grouped
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter converts fp32 to bf16 without rounding to nearest (up to an ulp off, as
@@ -80,7 +80,7 @@ def test_route_kernel_is_the_stable_sort(M, E, rows_a_block):
     g = torch.Generator().manual_seed(M + E)
     ids = torch.randint(-1, E + 1, (M,), generator=g)  # (with ids outside [0, E): their own group)
     rows, experts = route(ids.to(DEVICE), E, rows_a_block)
-    want_rows, want_experts = route_reference(ids, E, rows_a_block)
+    want_rows, want_experts = reference.route_experts(ids, E, rows_a_block)
     assert rows.dtype == experts.dtype == torch.int32
     assert rows.cpu().tolist() == want_rows.tolist() and experts.cpu().tolist() == want_experts.tolist()
 
@@ -93,7 +93,7 @@ def test_route_spans_several_chunks_a_program_above_its_programs(monkeypatch, ma
         monkeypatch.setattr(grouped_launch, "ROUTE_MAX_PROGRAMS", max_programs)
     ids = torch.randint(-1, 9, (M,), generator=torch.Generator().manual_seed(M))
     rows, experts = route(ids.to(DEVICE), 8, 16)
-    want_rows, want_experts = route_reference(ids, 8, 16)
+    want_rows, want_experts = reference.route_experts(ids, 8, 16)
     assert rows.cpu().tolist() == want_rows.tolist() and experts.cpu().tolist() == want_experts.tolist()
 
 
@@ -198,7 +198,7 @@ def test_the_kernels_with_block_scales(tokens, top_k, E, N, K):
 def test_route_kernel_keeps_an_int64_id_past_int32_invalid():
     ids = torch.tensor([1, 2**32 + 1, 0, -(2**32)], device=DEVICE)
     rows, experts = route(ids, 4, 2)
-    want_rows, want_experts = route_reference(ids.cpu(), 4, 2)
+    want_rows, want_experts = reference.route_experts(ids.cpu(), 4, 2)
     assert rows.cpu().tolist() == want_rows.tolist() and experts.cpu().tolist() == want_experts.tolist()
     assert experts.cpu().tolist()[:3] == [0, 1, 4]  # (rows 1 and 3: the group of invalid ids)
 
@@ -271,3 +271,24 @@ def test_every_launch_names_every_argument_and_writes_only_its_outputs(monkeypat
     assert {k.__name__ for k, _ in launches} == set(WRITTEN)
     for (kernel, _), written in zip(launches, written_arguments(launches)):
         assert written == WRITTEN[kernel.__name__], kernel.__name__
+
+
+def test_a_given_route_is_taken_where_its_blocks_are_the_launchs(monkeypatch):
+    """The sorted blocks take a route made before (a layer's gate/up and down share one) where its
+    block size is theirs, and launch no route of their own; a route of another block size they leave."""
+    launched, real = [], grouped_launch.launcher
+
+    def launcher(kernel, fake):
+        launched.append(getattr(kernel, "__name__", getattr(getattr(kernel, "fn", None), "__name__", "")))
+        return real(kernel, fake)
+    p = make_grouped(20, 2, 8, 64, 128, torch.int8, device=DEVICE, seed=7)
+    tiles = GroupedTiles(False, 16, 64, 128, 4, 2)
+    want = launch_scaled_grouped_mm(*p.args(), tiles=tiles)
+    monkeypatch.setattr(grouped_launch, "launcher", launcher)
+    out = launch_scaled_grouped_mm(*p.args(), tiles=tiles, routed=route(p.expert_ids, 8, 16))
+    assert launched.count("route_kernel") == 1 and launched.count("grouped_mm_kernel") == 1  # (the one routing)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    launched.clear()
+    out = launch_scaled_grouped_mm(*p.args(), tiles=tiles, routed=route(p.expert_ids, 8, 32))
+    assert launched.count("route_kernel") == 2  # (the given one at 32 rows, then the launch's own at 16)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -151,3 +151,76 @@ def test_a_row_of_a_shared_by_its_tokens_routed_rows(tokens, top_k, blocks):
     assert out.shape == (tokens * top_k, 200)
     torch.testing.assert_close(out, fusepass.scaled_grouped_mm(*p.args()), rtol=0, atol=0)
     assert_matches_oracle(out, p, torch.bfloat16)
+
+
+# fusepass.route_experts: the sorted blocks' rows, made once for a layer's two grouped matmuls
+
+ROUTE = torch.ops.fusepass.route_experts.default
+
+
+@pytest.mark.parametrize("M,E,block_m", [(0, 4, 16), (6, 4, 16), (40, 8, 16), (300, 128, 64), (130, 3, 4)])
+def test_route_experts_is_the_stable_sort_in_padded_blocks(M, E, block_m):
+    g = torch.Generator().manual_seed(M + E)
+    ids = torch.randint(-1, E + 1, (M,), generator=g)  # (ids outside [0, E): one group, last)
+    rows, blocks = fusepass.route_experts(ids.to(DEVICE), E, block_m)
+    assert rows.dtype == blocks.dtype == torch.int32 and rows.numel() == blocks.numel() * block_m
+    rows, blocks = rows.cpu(), blocks.cpu()
+    placed = rows[rows < M]
+    assert sorted(placed.tolist()) == list(range(M))  # every row once
+    key = torch.where((ids >= 0) & (ids < E), ids, E)
+    assert torch.equal(key[placed.long()], key[placed.long()].sort(stable=True).values)  # experts in order
+    for i, r in enumerate(rows.tolist()):  # each row in a block of its own group; padding is the row M
+        assert r == M or key[r] == blocks[i // block_m]
+    assert all(b <= E + 1 for b in blocks.tolist())
+
+
+def test_route_experts_fake_and_opcheck():
+    ids = torch.tensor([3, 0, 1, 1, 7, -1])
+    torch.library.opcheck(ROUTE, (ids, 4, 16), test_utils=("test_schema", "test_autograd_registration",
+                                                            "test_faketensor", "test_aot_dispatch_dynamic"))
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        rows, blocks = ROUTE(mode.from_tensor(ids), 4, 16)
+    assert rows.shape == (96,) and blocks.shape == (6,) and rows.dtype == torch.int32  # ((6 + 5 * 15 + 15) // 16)
+
+
+@pytest.mark.parametrize("args,error,message", [
+    ((torch.zeros(4), 4, 16), TypeError, "`expert_ids` must have dtype int32, int64"),
+    ((torch.zeros(2, 2, dtype=torch.int64), 4, 16), ValueError, "`expert_ids` must be [M]"),
+    ((torch.zeros(4, dtype=torch.int64), 0, 16), ValueError, "`num_experts` must be an int >= 1; got 0"),
+    ((torch.zeros(4, dtype=torch.int64), 4, 24), ValueError, "`block_m` must be a power of two"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_route_experts_bad_input_names_the_argument(args, error, message):
+    with pytest.raises(error, match="^fusepass.route_experts: " + __import__("re").escape(message)):
+        fusepass.route_experts(*args)
+
+
+@pytest.mark.parametrize("op", ["scaled_grouped_mm", "scaled_grouped_mm_dynamic"])
+def test_the_ops_take_a_route_and_give_what_they_give_without(op):
+    p = make_grouped(24, 2, 8, 32, 64, device=DEVICE, seed=11)  # (48 routed rows: the sorted blocks on a GPU)
+    rows, blocks = fusepass.route_experts(p.expert_ids, 8, 16)
+    if op == "scaled_grouped_mm":
+        args = p.args()
+    else:  # (float rows, as down's: the op quantizes them)
+        x = torch.randn(48, 64, device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(1)).to(torch.bfloat16)
+        args = (x, p.b, p.scale_b.reshape(8, -1), p.expert_ids, torch.bfloat16, p.bias, p.row_weights)
+    fn = getattr(fusepass, op)
+    want = fn(*args)
+    torch.testing.assert_close(fn(*args, sorted_rows=rows, block_experts=blocks), want, rtol=0, atol=0)
+    got = getattr(torch.ops.fusepass, op)(*args, sorted_rows=rows, block_experts=blocks)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(sorted_rows=torch.zeros(80, dtype=torch.int32)), "`sorted_rows` and `block_experts` come together "
+                                                            "(route_experts' two tensors); got only `sorted_rows`"),
+    (dict(sorted_rows=torch.zeros(80, dtype=torch.int64), block_experts=torch.zeros(5, dtype=torch.int32)),
+     "`sorted_rows` must have dtype int32"),
+    (dict(sorted_rows=torch.zeros(64, dtype=torch.int32), block_experts=torch.zeros(4, dtype=torch.int32)),
+     "`sorted_rows` and `block_experts` must be route_experts(expert_ids, 4, block_m)'s at M = 6 rows"),
+    (dict(sorted_rows=torch.zeros(96, dtype=torch.int32), block_experts=torch.zeros(6, dtype=torch.int32)),
+     "`sorted_rows` and `block_experts` are not route_experts(expert_ids, 4, block_m)'s of these `expert_ids`"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_bad_route_names_the_argument(change, message):
+    error = TypeError if "dtype" in message else ValueError
+    with pytest.raises(error, match="^fusepass.scaled_grouped_mm: " + __import__("re").escape(message)):
+        fusepass.scaled_grouped_mm(**_bad(**change))

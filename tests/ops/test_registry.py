@@ -29,6 +29,7 @@ def _args(op: str):
         "scaled_grouped_mm": (a8, torch.stack([b8, b8]), sa, torch.ones(2, N), torch.tensor([0, 1, 1]), BF16, None, None),
         "scaled_grouped_mm_dynamic": (x, torch.stack([b8, b8]), torch.ones(2, N), torch.tensor([0, 1, 1]), BF16, None,
                                       None, 127.5, 1e-12, x, None),
+        "route_experts": (torch.tensor([0, 1, 1]), 2, 16),
     }[op]
 
 
@@ -41,8 +42,9 @@ OPS = sorted(str(op).removeprefix("fusepass.").removesuffix(".default") for op i
 
 
 def test_every_op_is_registered_one_way():
-    assert OPS == ["int_mm", "scaled_grouped_mm", "scaled_grouped_mm_dynamic", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise",
-                   "scaled_mm_blockwise_dynamic", "scaled_mm_dynamic", "scaled_mm_group"]
+    assert OPS == ["int_mm", "route_experts", "scaled_grouped_mm", "scaled_grouped_mm_dynamic", "scaled_mm",
+                   "scaled_mm_azp", "scaled_mm_blockwise", "scaled_mm_blockwise_dynamic", "scaled_mm_dynamic",
+                   "scaled_mm_group"]
     for name in OPS:
         assert getattr(fusepass.ops, name).__doc__  # its Python wrapper, documented
 
@@ -53,12 +55,16 @@ def test_fake_runs_no_arithmetic(op, monkeypatch):
     the CPU reference) never runs. The default fake of a triton_op ran it, 6 ms a call."""
     def refuse(*args, **kwargs):
         raise AssertionError("the implementation ran under fake tensors")
-    for name in ("accumulate", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise", "scaled_grouped_mm"):
+    for name in ("accumulate", "scaled_mm", "scaled_mm_azp", "scaled_mm_blockwise", "scaled_grouped_mm",
+                 "route_experts"):
         monkeypatch.setattr(reference, name, refuse)
     mode = FakeTensorMode()
     with mode:
         out = getattr(torch.ops.fusepass, op)(*_fake(mode, _args(op)))
     outs = out if isinstance(out, list) else [out]
+    if op == "route_experts":  # (3 rows, 2 experts: 3 blocks of 16 rows)
+        assert [tuple(o.shape) for o in outs] == [(48,), (3,)] and {o.dtype for o in outs} == {torch.int32}
+        return
     assert [tuple(o.shape) for o in outs] == [(3, 128)] * len(outs)
     assert {o.dtype for o in outs} == {torch.int32 if op == "int_mm" else BF16}
 
@@ -66,22 +72,26 @@ def test_fake_runs_no_arithmetic(op, monkeypatch):
 @pytest.mark.parametrize("op", OPS)
 def test_fake_checks_the_arguments(op):
     """The fake refuses what the implementation refuses, with the same message."""
-    args = list(_args(op))
+    args, error = list(_args(op)), TypeError
     if op == "int_mm":
         args[1] = args[1].float()
         expected = "`b` must have dtype"
+    elif op == "route_experts":
+        args[2], error = 24, ValueError
+        expected = "fusepass.route_experts: `block_m` must be a power of two"
     else:
         out_dtype = next(i for i, a in enumerate(args) if a is BF16)
         args[out_dtype] = torch.int64
         expected = f"fusepass.{op}: `out_dtype` must be one of"
-    with pytest.raises(TypeError, match=expected):
+    with pytest.raises(error, match=expected):
         getattr(torch.ops.fusepass, op)(*args)
     mode = FakeTensorMode()
-    with mode, pytest.raises(TypeError, match=expected):
+    with mode, pytest.raises(error, match=expected):
         getattr(torch.ops.fusepass, op)(*_fake(mode, args))
 
 
-@pytest.mark.parametrize("op", [op for op in OPS if op != "int_mm"])  # (int_mm: integers only, no gradient to ask for)
+# (int_mm, route_experts: integers only, no gradient to ask for)
+@pytest.mark.parametrize("op", [op for op in OPS if op not in ("int_mm", "route_experts")])
 def test_no_gradient(op):
     """A call whose float input (a scale, or the float activation) needs a gradient raises at
     the forward."""

@@ -97,22 +97,3 @@ def oracle(p: Grouped) -> tuple[torch.Tensor, torch.Tensor]:
         value, mag = value * w, mag * w.abs()
     value[~valid] = float("nan")
     return value, mag
-
-
-def route_reference(expert_ids: torch.Tensor, E: int, rows_a_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kernels.grouped_launch.route``'s contract in torch ops (a stable sort by expert)."""
-    M, device = expert_ids.shape[0], expert_ids.device
-    ids = expert_ids.to(torch.int64)
-    key = torch.where((ids >= 0) & (ids < E), ids, E)  # groups 0..E: E collects invalid ids
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, key, torch.ones_like(key))
-    padded = (counts + rows_a_block - 1) // rows_a_block * rows_a_block
-    pad_end = torch.cumsum(padded, 0)
-    order = torch.argsort(key, stable=True)
-    group = key[order]
-    rank = torch.arange(M, device=device) - (torch.cumsum(counts, 0) - counts)[group]
-    blocks = (M + (E + 1) * (rows_a_block - 1) + rows_a_block - 1) // rows_a_block
-    rows = torch.full((blocks * rows_a_block,), M, dtype=torch.int64, device=device)
-    rows = rows.scatter(0, (pad_end - padded)[group] + rank, order)
-    starts = torch.arange(blocks, device=device) * rows_a_block
-    block_experts = torch.searchsorted(pad_end, starts, right=True)
-    return rows, block_experts
