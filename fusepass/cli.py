@@ -25,6 +25,7 @@ def _check_cases(M: int, N: int, K: int, seed: int, fp8: bool) -> list:
     operands; each reference computed from the same quantized values (dynamic ops: quantized by
     the op's own recipe)."""
     import fusepass
+    from fusepass.kernels.policy import GROUPED_BLOCK_M, grouped_block_m
     from fusepass.ops.blockwise import quantize_groups
     from fusepass.ops.dynamic import quantize_rows
 
@@ -71,7 +72,8 @@ def _check_cases(M: int, N: int, K: int, seed: int, fp8: bool) -> list:
             bf16, t(torch.stack([bias, bias]))),
          torch.where(experts[:, None] == 0, ref(a, sa, b, sb), ref(a, sa, b2, sb2))),
         # (the same with the rows sorted by expert first, as a layer's two matmuls share them)
-        ("route_experts + scaled_grouped_mm int8", lambda t: routed(t, *fusepass.route_experts(t(experts), 2, 16)),
+        ("route_experts + scaled_grouped_mm int8", lambda t: routed(
+            t, *fusepass.route_experts(t(experts), 2, grouped_block_m(M, 2) or GROUPED_BLOCK_M)),
          torch.where(experts[:, None] == 0, ref(a, sa, b, sb), ref(a, sa, b2, sb2))),
         # (the experts' weights as stored, [E, N, K], transposed: on a GPU the kernel quantizes the rows)
         ("scaled_grouped_mm_dynamic int8", lambda t: fusepass.scaled_grouped_mm_dynamic(

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..kernels.policy import grouped_block_m
+from ..kernels.policy import GROUPED_BLOCK_M, grouped_block_m
 from ..ops.dynamic import quantize_rows
 from ..ops.grouped import route_experts, scaled_grouped_mm
 from ..ops.grouped_dynamic import scaled_grouped_mm_dynamic
@@ -80,10 +80,10 @@ class W8A8Experts(nn.Module):
         act, k = ACTS[self.act_index], top_k_index.shape[1]
         q, scale, _ = quantize_input(hidden_states, act)
         ids = top_k_index.reshape(-1)  # (each token's k routed rows read its one quantized row)
-        # (the rows sorted by expert once for both matmuls where they take the sorted blocks; with a
-        # symbolic M each matmul sorts them itself: Dynamo cannot trace the policy's symbolic compares)
+        # (the rows sorted by expert once for both matmuls where they take the sorted blocks; a symbolic
+        # M takes the prefill blocks, and Dynamo could not trace the policy's symbolic compares)
         M = ids.shape[0]
-        block_m = grouped_block_m(M, self.num_experts) if isinstance(M, int) else None
+        block_m = grouped_block_m(M, self.num_experts) if isinstance(M, int) else GROUPED_BLOCK_M
         rows, blocks = (None, None) if block_m is None else route_experts(ids, self.num_experts, block_m)
         h = scaled_grouped_mm(q, self.gate_up.transpose(1, 2), scale, _op_scale(self.gate_up_scale), ids,
                               hidden_states.dtype, sorted_rows=rows, block_experts=blocks)

@@ -163,9 +163,9 @@ def grouped_mm_kernel(
 ):
     pid_b = tl.program_id(0).to(tl.int64)
     e = tl.load(block_experts_ptr + pid_b).to(tl.int64)
-    if e <= E:
+    if (e >= 0) & (e <= E):  # (a route the caller gave: nothing read or written out of bounds)
         rows = tl.load(rows_ptr + pid_b * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        live = rows < M
+        live = (rows >= 0) & (rows < M)
         rows = tl.where(live, rows, 0)  # (padding reads row 0; its store is masked off)
         cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         out_mask = live[:, None] & (cols[None, :] < N)

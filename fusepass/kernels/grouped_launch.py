@@ -75,8 +75,13 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
 
 
 def launch_route(expert_ids: torch.Tensor, E: int, rows_a_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route`` as ``fusepass::route_experts`` launches it on CUDA (or under the interpreter)."""
+    """``route`` as ``fusepass::route_experts`` launches it on CUDA (or under the interpreter; traced
+    there, as the grouped launch, its outputs only)."""
     fake = traced(expert_ids)
+    if INTERPRETED and fake:
+        blocks = route_blocks(expert_ids.shape[0], E, rows_a_block)
+        return (expert_ids.new_empty((blocks * rows_a_block,), dtype=torch.int32),
+                expert_ids.new_empty((blocks,), dtype=torch.int32))
     ids = flat(expert_ids, fake)
     return on_device(ids, fake, lambda: route(ids, E, rows_a_block, fake))
 
@@ -220,7 +225,8 @@ def launch_scaled_grouped_mm(a, b, scale_a, scale_b, expert_ids, out_dtype, bias
                 **quant)
         else:
             takes = routed is not None and statically_known_true(routed[0].shape[0] == routed[1].shape[0] * t.block_m)
-            rows, block_experts = routed if takes else route(expert_ids, E, t.block_m, fake)
+            rows, block_experts = (flat(routed[0], fake), flat(routed[1], fake)) if takes else route(
+                expert_ids, E, t.block_m, fake)
             grid = (block_experts.shape[0], triton.cdiv(N, t.block_n))
             launcher(grouped_mm_kernel, fake)[grid](*args, rows, block_experts, *sizes, **flags,
                                                     BLOCK_M=t.block_m, **tiling)

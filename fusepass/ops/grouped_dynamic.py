@@ -94,6 +94,7 @@ def scaled_grouped_mm_dynamic_impl(
 ) -> Tensor:
     check_grouped_dynamic_args(x, b, scale_b, expert_ids, out_dtype, bias, row_weights, divisor, floor, gate,
                                floor_first, sorted_rows, block_experts)
+    routed = checked_route(OP, sorted_rows, block_experts, expert_ids, b.shape[0])
     if statically_known_true(x.shape[1] == 0):  # (an empty sum: the bias alone, weighted)
         scale_a = torch.ones((x.shape[0], 1), dtype=torch.float32, device=x.device)
         return scaled_grouped_mm_impl(x.to(b.dtype), b, scale_a, scale_b, expert_ids, out_dtype, bias, row_weights,
@@ -101,8 +102,7 @@ def scaled_grouped_mm_dynamic_impl(
     tiles = grouped_quantizes(x, b, scale_b, expert_ids, gate) if x.device.type == "cuda" else None
     if tiles is not None:  # (the tiles chosen once, here)
         return launch_scaled_grouped_mm(x, b, None, scale_b, expert_ids, out_dtype, bias, row_weights, tiles,
-                                        Recipe(divisor, floor, floor_first, gate),
-                                        checked_route(OP, sorted_rows, block_experts, expert_ids, b.shape[0]))
+                                        Recipe(divisor, floor, floor_first, gate), routed)
     if gate is not None:
         x = torch.nn.functional.silu(gate) * x
     q, scale_a = quantize_rows(x, b.dtype, divisor, floor, floor_first)

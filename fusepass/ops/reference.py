@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.grouped_launch import route_blocks
 from ..kernels.scaled_mm import COLSUM_MAX, PER_TENSOR_ADJ_MAX, ZERO_POINT_MAX
 from .checks import BLOCK
 
@@ -125,7 +126,7 @@ def route_experts(expert_ids, E: int, block_m: int):
     order = torch.argsort(key, stable=True)
     group = key[order]
     rank = torch.arange(M, device=device) - (torch.cumsum(counts, 0) - counts)[group]
-    blocks = (M + (E + 1) * (block_m - 1) + block_m - 1) // block_m
+    blocks = route_blocks(M, E, block_m)
     rows = torch.full((blocks * block_m,), M, dtype=torch.int64, device=device)
     rows = rows.scatter(0, (pad_end - padded)[group] + rank, order)
     block_experts = torch.searchsorted(pad_end, torch.arange(blocks, device=device) * block_m, right=True)

@@ -362,8 +362,9 @@ def test_add_rows_adds_a_tokens_rows_in_fp32_and_rounds_once(dtype, traced, monk
     assert add_rows(y[:0], 8).shape == (0, 64)
 
 
-@pytest.mark.parametrize("tokens,routes", [(2, 0), (12, 1)])  # (8 routed rows: the row kernel; 48: the blocks)
-def test_a_layer_sorts_its_rows_once_for_both_matmuls(tokens, routes):
+# (8 routed rows: the row kernel; 48: the blocks; a symbolic M: the prefill blocks)
+@pytest.mark.parametrize("tokens,routes,dynamic", [(2, 0, False), (12, 1, False), (12, 1, True)])
+def test_a_layer_sorts_its_rows_once_for_both_matmuls(tokens, routes, dynamic):
     """Where the grouped matmuls take the sorted blocks, the layer sorts its routed rows once
     (``route_experts``) and gives them to gate/up and to down; at the row kernel's rows none."""
     model = moe_model("qwen3_moe").to(DEVICE)
@@ -378,7 +379,7 @@ def test_a_layer_sorts_its_rows_once_for_both_matmuls(tokens, routes):
     torch._dynamo.reset()
     with torch.no_grad():
         want = module(*inputs)
-        got = torch.compile(module, backend=record, dynamic=False, fullgraph=True)(*inputs)
+        got = torch.compile(module, backend=record, dynamic=dynamic, fullgraph=True)(*inputs)
     nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function" and "fusepass" in str(n.target)]
     found = [n for n in nodes if "route_experts" in str(n.target)]
     matmuls = [n for n in nodes if "scaled_grouped_mm" in str(n.target)]

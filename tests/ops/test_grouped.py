@@ -168,10 +168,11 @@ def test_route_experts_is_the_stable_sort_in_padded_blocks(M, E, block_m):
     placed = rows[rows < M]
     assert sorted(placed.tolist()) == list(range(M))  # every row once
     key = torch.where((ids >= 0) & (ids < E), ids, E)
-    assert torch.equal(key[placed.long()], key[placed.long()].sort(stable=True).values)  # experts in order
+    assert torch.equal(placed.long(), torch.argsort(key, stable=True))  # by expert, each expert's in their order
     for i, r in enumerate(rows.tolist()):  # each row in a block of its own group; padding is the row M
         assert r == M or key[r] == blocks[i // block_m]
-    assert all(b <= E + 1 for b in blocks.tolist())
+    used = int(((torch.bincount(key, minlength=E + 1) + block_m - 1) // block_m).sum())
+    assert blocks[:used].tolist() == sorted(blocks[:used].tolist()) and (blocks[used:] == E + 1).all()
 
 
 def test_route_experts_fake_and_opcheck():
@@ -208,6 +209,27 @@ def test_the_ops_take_a_route_and_give_what_they_give_without(op):
     torch.testing.assert_close(fn(*args, sorted_rows=rows, block_experts=blocks), want, rtol=0, atol=0)
     got = getattr(torch.ops.fusepass, op)(*args, sorted_rows=rows, block_experts=blocks)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_ops_with_a_route_pass_opcheck():
+    p = make_grouped(24, 2, 8, 32, 64, seed=12)
+    rows, blocks = fusepass.route_experts(p.expert_ids, 8, 16)
+    x = torch.randn(48, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(OP, (*p.args(), rows, blocks), test_utils=utils)
+    torch.library.opcheck(torch.ops.fusepass.scaled_grouped_mm_dynamic.default,
+                          (x, p.b, p.scale_b.reshape(8, -1), p.expert_ids, torch.bfloat16),
+                          dict(sorted_rows=rows, block_experts=blocks), test_utils=utils)
+
+
+def test_the_dynamic_op_refuses_a_route_of_other_ids_by_its_own_name():
+    p = make_grouped(24, 2, 8, 32, 64, seed=13)
+    rows, blocks = fusepass.route_experts(p.expert_ids.flip(0), 8, 16)
+    x = torch.randn(48, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^fusepass.scaled_grouped_mm_dynamic: `sorted_rows` and `block_experts` "
+                                         r"are not route_experts\(expert_ids, 8, block_m\)'s of these `expert_ids`"):
+        fusepass.scaled_grouped_mm_dynamic(x, p.b, p.scale_b.reshape(8, -1), p.expert_ids, torch.bfloat16,
+                                           sorted_rows=rows, block_experts=blocks)
 
 
 @pytest.mark.parametrize("change,message", [
