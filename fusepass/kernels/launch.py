@@ -309,7 +309,8 @@ def persistent_stages(cfg: Config, out_size: int, device: torch.device) -> Confi
 
 
 # GPUs whose Triton dots are mma.sync fed by cp.async: its loop pipeliner keeps a buffer fewer than
-# the stages there; a Hopper wgmma (and, by its pipeliner's waits, a Blackwell MMA) reads a buffer a stage.
+# the stages there; a Hopper wgmma (and, by its pipeliner's waits, a Blackwell MMA) reads a buffer a stage
+# (Hopper's tiles under 64 rows, on mma.sync, are counted so too: a stage more than they keep).
 MMA_SYNC_ARCHS = ("sm80", "sm86", "sm87", "sm89", "sm120", "sm121")
 
 
