@@ -57,6 +57,8 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
     blocks = route_blocks(M, E, rows_a_block)
     rows = torch.empty((blocks * rows_a_block,), dtype=torch.int32, device=device)
     block_experts = torch.empty((blocks,), dtype=torch.int32, device=device)
+    if INTERPRETED and fake:  # (traced under the interpreter, as the grouped launch: the outputs only)
+        return rows, block_experts
     groups = triton.next_power_of_2(E + 2)
     sizes = dict(GROUPS=groups, CHUNK=ROUTE_CHUNK, num_warps=4)
     searched = dict(GROUPS_LOG2=groups.bit_length() - 1)
@@ -75,13 +77,8 @@ def route(expert_ids: torch.Tensor, E: int, rows_a_block: int, fake: bool = Fals
 
 
 def launch_route(expert_ids: torch.Tensor, E: int, rows_a_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``route`` as ``fusepass::route_experts`` launches it on CUDA (or under the interpreter; traced
-    there, as the grouped launch, its outputs only)."""
+    """``route`` as ``fusepass::route_experts`` launches it on CUDA (or under the interpreter)."""
     fake = traced(expert_ids)
-    if INTERPRETED and fake:
-        blocks = route_blocks(expert_ids.shape[0], E, rows_a_block)
-        return (expert_ids.new_empty((blocks * rows_a_block,), dtype=torch.int32),
-                expert_ids.new_empty((blocks,), dtype=torch.int32))
     ids = flat(expert_ids, fake)
     return on_device(ids, fake, lambda: route(ids, E, rows_a_block, fake))
 
